@@ -1,0 +1,338 @@
+"""Triton source emitter: one `@triton.jit` function per specialization, readable, with each
+statement group preceded by the DSL line it came from."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from . import types as T
+from .ir import Axis, Block, Node, OperandHandle, TraceContext, Value
+
+UNARY = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "log2": "tl.log2", "sqrt": "tl.sqrt",
+         "rsqrt": "tl.rsqrt", "sigmoid": "tl.sigmoid", "abs": "tl.abs", "sin": "tl.sin", "cos": "tl.cos"}
+
+
+def lit(v: Any) -> str:
+    if isinstance(v, bool):
+        return "True" if v else "False"
+    if isinstance(v, float):
+        if math.isinf(v):
+            return 'float("inf")' if v > 0 else 'float("-inf")'
+        if math.isnan(v):
+            return 'float("nan")'
+        return repr(v)
+    return repr(v)
+
+
+def tl_type(dt: T.DType) -> str:
+    return f"tl.{dt.triton}"
+
+
+class Emitter:
+    def __init__(self, c: TraceContext, target: Any, fn_name: str) -> None:
+        self.c, self.target, self.fn_name = c, target, fn_name
+        self.lines: list[str] = []
+        self.indent = 1
+        self.last_loc: tuple[str, int] | None = None
+        self.tmp = 0
+
+    # -- helpers --------------------------------------------------------------------------------
+    def w(self, s: str) -> None:
+        self.lines.append("    " * self.indent + s)
+
+    def fresh(self, hint: str) -> str:
+        self.tmp += 1
+        return f"_{hint}{self.tmp}"
+
+    def ref(self, v: Value | int | float) -> str:
+        if not isinstance(v, Value):
+            return lit(v)
+        if v.const is not None:
+            return lit(v.const)
+        return v.name
+
+    def aligned(self, v: Value | int | float, axes: tuple[Axis, ...]) -> str:
+        """Expression for `v` laid out over `axes` (permuted, with None for broadcast dims)."""
+        if not isinstance(v, Value) or v.const is not None or not v.axes:
+            return self.ref(v)
+        missing = [a for a in v.axes if a not in axes]
+        if missing:
+            raise self.c.error(f"value {v.name} has axes {missing} that the context {list(axes)} lacks")
+        present = [a for a in axes if a in v.axes]
+        expr = v.name
+        if present != list(v.axes):
+            perm = [v.axes.index(a) for a in present]
+            expr = f"tl.trans({expr})" if len(perm) == 2 else f"tl.permute({expr}, {tuple(perm)})"
+        if len(present) != len(axes):
+            expr += "[" + ", ".join(":" if a in v.axes else "None" for a in axes) + "]"
+        return expr
+
+    def shape(self, axes: tuple[Axis, ...]) -> str:
+        return "(" + ", ".join(str(a.size) for a in axes) + ("," if len(axes) == 1 else "") + ")"
+
+    def mask_expr(self, masks: Any, extra: Value | None, axes: tuple[Axis, ...]) -> str | None:
+        parts = [self.aligned(m, axes) for m in sorted(masks, key=lambda m: m.name)]
+        if extra is not None:
+            parts.append(self.aligned(extra, axes))
+        if not parts:
+            return None
+        return " & ".join(f"({p})" if " " in p else p for p in parts)
+
+    def offsets(self, h: OperandHandle, ivals: list[Any], axes: tuple[Axis, ...], last_override: str | None = None) -> str:
+        terms = []
+        n = len(ivals)
+        for d, (i, s) in enumerate(zip(ivals, h.strides)):
+            if d == n - 1 and last_override is not None:
+                e = last_override
+            else:
+                e = self.aligned(i, axes)
+            if isinstance(i, int) and i == 0 and last_override is None:
+                continue
+            stride = self.ref(s)
+            terms.append(e if stride == "1" else f"{self._paren(e)} * {stride}")
+        return " + ".join(terms) if terms else "0"
+
+    @staticmethod
+    def _paren(e: str) -> str:
+        return f"({e})" if any(ch in e for ch in " +-*/%&|") and not e.endswith("]") else e
+
+    def loc_comment(self, n: Node) -> None:
+        if n.loc is None:
+            return
+        key = (n.loc.file, n.loc.line)
+        if key != self.last_loc:
+            self.last_loc = key
+            self.w(f"# {os.path.basename(n.loc.file)}:{n.loc.line}: {n.loc.text}")
+
+    # -- program -------------------------------------------------------------------------------
+    def emit_block(self, b: Block) -> None:
+        for n in b.nodes:
+            self.loc_comment(n)
+            getattr(self, f"op_{n.op}")(n)
+
+    def op_program_id(self, n: Node) -> None:
+        self.w(f"{n.results[0].name} = tl.program_id({n.attrs['axis']})")
+
+    def op_range(self, n: Node) -> None:
+        r = n.results[0]
+        start = n.args[0]
+        ar = f"tl.arange(0, {n.attrs['size']})"
+        if isinstance(start, int) and start == 0:
+            self.w(f"{r.name} = {ar}")
+        else:
+            self.w(f"{r.name} = {self.ref(start)} + {ar}")
+
+    def _f32_round(self, expr: str, n: Node) -> str:
+        """In the interpreter, bf16 results are computed in f32 and rounded to nearest even."""
+        if not n.attrs.get("f32_then_round"):
+            return expr
+        tmp = self.fresh("f")
+        self.w(f"{tmp} = {expr}")
+        return self._rne_bf16(tmp)
+
+    def _rne_bf16(self, src: str) -> str:
+        u = self.fresh("u")
+        self.w(f"{u} = {src}.to(tl.float32).to(tl.uint32, bitcast=True)")
+        self.w(f"{u} = ({u} + (0x7FFF + (({u} >> 16) & 1))) & 0xFFFF0000")
+        return f"{u}.to(tl.float32, bitcast=True).to(tl.bfloat16)"
+
+    def _as_f32(self, v: Any, axes: tuple[Axis, ...], f32: bool) -> str:
+        e = self.aligned(v, axes)
+        if f32 and isinstance(v, Value) and v.const is None and v.dtype is T.bf16:
+            return f"{e}.to(tl.float32)"
+        return e
+
+    def op_binary(self, n: Node) -> None:
+        r = n.results[0]
+        f32 = bool(n.attrs.get("f32_then_round"))
+        a, b = (self._as_f32(x, r.axes, f32) for x in n.args)
+        op = n.attrs["op"]
+        self.w(f"{r.name} = {self._f32_round(f'{a} {op} {b}', n)}")
+
+    def op_unary(self, n: Node) -> None:
+        r, op = n.results[0], n.attrs["op"]
+        a = self._as_f32(n.args[0], r.axes, bool(n.attrs.get("f32_then_round")))
+        expr = f"{op}{a}" if op in ("-", "~") else f"{UNARY[op]}({a})"
+        self.w(f"{r.name} = {self._f32_round(expr, n)}")
+
+    def op_minmax(self, n: Node) -> None:
+        r = n.results[0]
+        f32 = bool(n.attrs.get("f32_then_round"))
+        a, b = (self._as_f32(x, r.axes, f32) for x in n.args)
+        fn = n.attrs["op"]
+        self.w(f"{r.name} = {self._f32_round(f'tl.{fn}({a}, {b})', n)}")
+
+    def op_where(self, n: Node) -> None:
+        r = n.results[0]
+        f32 = bool(n.attrs.get("f32_then_round"))
+        cnd = self.aligned(n.args[0], r.axes)
+        a, b = (self._as_f32(x, r.axes, f32) for x in n.args[1:])
+        expr = f"tl.where({cnd}, {a}, {b})"
+        if f32:  # select never rounds; only a mixed-type select needs the cast
+            expr = f"({expr}).to(tl.bfloat16)" if any(
+                isinstance(x, Value) and x.const is None and x.dtype is not T.bf16 for x in n.args[1:]) else expr
+        elif not n.args[0].axes and not n.args[1].axes and not n.args[2].axes:
+            pass
+        self.w(f"{r.name} = {expr}")
+
+    def op_cast(self, n: Node) -> None:
+        r, src = n.results[0], n.args[0]
+        dt = n.attrs["dtype"]
+        s = self.ref(src)
+        lower = n.attrs.get("lower", "plain")
+        if lower == "rtz_bits":
+            self.w(f"{r.name} = ({s}.to(tl.float32).to(tl.uint32, bitcast=True) & 0xFFFF0000)"
+                   f".to(tl.float32, bitcast=True).to(tl.bfloat16)")
+        elif lower == "rne_bits":
+            self.w(f"{r.name} = {self._rne_bf16(s)}")
+        else:
+            self.w(f"{r.name} = {s}.to({tl_type(dt)})")
+
+    def op_bitcast(self, n: Node) -> None:
+        r = n.results[0]
+        self.w(f"{r.name} = {self.ref(n.args[0])}.to({tl_type(n.attrs['dtype'])}, bitcast=True)")
+
+    def op_reduce(self, n: Node) -> None:
+        r, x = n.results[0], n.args[0]
+        ax = x.axes.index(n.attrs["axis"])
+        src = self.ref(x)
+        if n.attrs["op"] == "sum" and x.dtype is not n.attrs["dtype"]:
+            src = f"{src}.to({tl_type(n.attrs['dtype'])})"
+        self.w(f"{r.name} = tl.{n.attrs['op']}({src}, axis={ax})")
+
+    def op_full(self, n: Node) -> None:
+        r = n.results[0]
+        self.w(f"{r.name} = tl.full({self.shape(r.axes)}, {lit(n.attrs['value'])}, {tl_type(n.attrs['dtype'])})")
+
+    def op_broadcast(self, n: Node) -> None:
+        r = n.results[0]
+        self.w(f"{r.name} = tl.broadcast_to({self.aligned(n.args[0], r.axes)}, {self.shape(r.axes)})")
+
+    def op_dot(self, n: Node) -> None:
+        a, b, acc = n.args
+        r = n.results[0]
+        i, k, j = n.attrs["i"], n.attrs["k"], n.attrs["j"]
+        A, B = self.aligned(a, (i, k)), self.aligned(b, (k, j))
+        out = tl_type(n.attrs["dtype"])
+        if n.attrs["form"] == "mulsum":
+            A3 = f"{self._paren(A)}.to({out})[:, :, None]"
+            B3 = f"{self._paren(B)}.to({out})[None, :, :]"
+            expr = f"tl.sum({A3} * {B3}, axis=1)"
+            if acc is not None:
+                expr = f"{self.aligned(acc, (i, j))} + {expr}"
+            self.w(f"{r.name} = {expr}")
+            return
+        if n.attrs.get("upcast"):
+            A, B = f"{self._paren(A)}.to(tl.float32)", f"{self._paren(B)}.to(tl.float32)"
+        extra = ""
+        if a.dtype is T.f32 or n.attrs.get("upcast"):
+            extra = ', input_precision="ieee"'
+        acc_s = f", acc={self.aligned(acc, (i, j))}" if acc is not None else f", out_dtype={out}"
+        self.w(f"{r.name} = tl.dot({A}, {B}{acc_s}{extra})")
+
+    def op_load(self, n: Node) -> None:
+        h, ivals, masks, extra = n.args
+        r = n.results[0]
+        ptr = f"{h.name}_ptr + {self._paren(self.offsets(h, ivals, r.axes))}"
+        m = self.mask_expr(masks, extra, r.axes)
+        if m is None:
+            self.w(f"{r.name} = tl.load({ptr})")
+        else:
+            self.w(f"{r.name} = tl.load({ptr}, mask={m}, other={lit(n.attrs['other'])})")
+
+    def op_load_int4(self, n: Node) -> None:
+        h, ivals, masks, extra = n.args
+        r = n.results[0]
+        pack: T.Int4 = n.attrs["pack"]
+        kax = ivals[-1].axes[0]
+        if r.axes[-1] is not kax:
+            raise self.c.error(f"{h.name}: the packed axis must be the last axis of the loaded tile", h.name)
+        size = ivals[-1].range_info.size
+        start = ivals[-1].range_info.start
+        wax = Axis(f"{kax.label}_words", size // 8)
+        waxes = r.axes[:-1] + (wax,)
+        kw = self.fresh("kw")
+        st = self.ref(start)
+        base = "" if st == "0" else f"{self._paren(st)} // 8 + "
+        self.w(f"{kw} = {base}tl.arange(0, {size // 8})")
+        kw_al = kw + "[" + ", ".join("None" for _ in waxes[:-1]) + (", :]" if len(waxes) > 1 else ":]")
+        offs = self.offsets(h, ivals, waxes, last_override=kw_al)
+        keep = frozenset(m for m in masks if kax not in m.axes)
+        parts = [self.aligned(m, waxes) for m in sorted(keep, key=lambda m: m.name)]
+        if extra is not None:
+            parts.append(self.aligned(extra, waxes))
+        kdim = h.spec.dims[-1]
+        kval = self.c.dims[kdim]
+        parts.append(f"{kw_al} < {self._paren(self.ref(kval))} // 8")
+        words = self.fresh("words")
+        wmask = " & ".join(f"({p})" for p in parts)
+        self.w(f"{words} = tl.load({h.name}_ptr + {self._paren(offs)}, mask={wmask}, other=0)")
+        nib = self.fresh("sh")
+        if pack.order == (0, 1, 2, 3, 4, 5, 6, 7):
+            self.w(f"{nib} = tl.arange(0, 8) * 4")
+        else:  # nibble i holds element order[i]: element e sits at nibble inverse[e]
+            inv = [pack.order.index(e) for e in range(8)]
+            assert inv == [e // 2 + 4 * (e % 2) for e in range(8)], "only the Quark reorder is supported"
+            self.w(f"{nib} = ((tl.arange(0, 8) >> 1) + (tl.arange(0, 8) & 1) * 4) * 4  # Quark reorder {list(pack.order)}")
+        w3 = f"{words}[{', '.join(':' for _ in waxes)}, None]"
+        sh3 = f"{nib}[{', '.join('None' for _ in waxes)}, :]"
+        q = self.fresh("q")
+        if pack.twos:
+            self.w(f"{q} = ({w3} << (28 - {sh3})) >> 28")
+        else:
+            self.w(f"{q} = (({w3} >> {sh3}) & 15) - 8")
+        self.w(f"{r.name} = tl.reshape({q}, {self.shape(r.axes)}).to(tl.int8)")
+
+    def _store_like(self, n: Node, fn: str) -> None:
+        h, ivals, masks, extra, value = n.args
+        axes = n.attrs["axes"]
+        ptr = f"{h.name}_ptr + {self._paren(self.offsets(h, ivals, axes))}"
+        v = self.aligned(value, axes)
+        m = self.mask_expr(masks, extra, axes)
+        sem = ', sem="relaxed"' if fn == "atomic_add" else ""
+        mk = "" if m is None else f", mask={m}"
+        self.w(f"tl.{fn}({ptr}, {v}{mk}{sem})")
+
+    def op_store(self, n: Node) -> None:
+        self._store_like(n, "store")
+
+    def op_atomic_add(self, n: Node) -> None:
+        self._store_like(n, "atomic_add")
+
+    def op_exit_if(self, n: Node) -> None:
+        self.w(f"if {self.ref(n.args[0])}:")
+        self.w("    return")
+
+    def op_fold(self, n: Node) -> None:
+        start, stop, *inits = n.args
+        carried = n.results
+        for c, i in zip(carried, inits):
+            e = self.aligned(i, c.axes)
+            if isinstance(i, Value) and i.const is not None:
+                e = f"tl.full({self.shape(c.axes)}, {e}, {tl_type(c.dtype)})"
+            self.w(f"{c.name} = {e}")
+        lv = n.attrs["loopvar"]
+        self.w(f"for {lv.name} in range({self.ref(start)}, {self.ref(stop)}, {n.attrs['block']}):")
+        self.indent += 1
+        self.emit_block(n.blocks[0])
+        for c, y in zip(carried, n.attrs["yields"]):
+            e = self.aligned(y, c.axes)
+            if set(y.axes) != set(c.axes) or (isinstance(y, Value) and y.const is not None):
+                e = f"tl.broadcast_to({e}, {self.shape(c.axes)})" if c.axes else e
+            if y.dtype is not c.dtype:
+                e = f"({e}).to({tl_type(c.dtype)})"
+            self.w(f"{c.name} = {e}")
+        self.indent -= 1
+        self.last_loc = None
+
+
+def emit_module(c: TraceContext, target: Any, fn_name: str, header: list[str]) -> str:
+    em = Emitter(c, target, fn_name)
+    em.emit_block(c.root)
+    params = ", ".join(p[0] for p in c.params)
+    out = ["# " + h for h in header]
+    out += ["import triton", "import triton.language as tl", "", "",
+            "@triton.jit", f"def {fn_name}({params}):"]
+    out += em.lines if em.lines else ["    pass"]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,193 @@
+"""The IR: values over named axes, nodes in nested blocks, and the trace context.
+
+A value's shape is a tuple of `Axis` objects rather than positions, so broadcasting, dot
+contraction and gathers are decided by axis identity (a paged lookup `kv[page, pos % P, d]`
+gives a [pos, d] tile because `page` and `pos % P` both live on the `pos` axis).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import types as T
+
+_KDSL_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class Axis:
+    """One tile dimension. Identity matters, the label is for names and messages."""
+
+    _ids = itertools.count()
+
+    def __init__(self, label: str, size: int) -> None:
+        if size < 1 or size & (size - 1):
+            raise ValueError(f"axis {label!r}: tile size must be a power of two, got {size}")
+        self.label, self.size, self.id = label, size, next(Axis._ids)
+
+    def __repr__(self) -> str:
+        return f"{self.label}:{self.size}"
+
+
+@dataclass(frozen=True)
+class Loc:
+    file: str
+    line: int
+    text: str
+
+    def short(self) -> str:
+        return f"{os.path.basename(self.file)}:{self.line}"
+
+
+def caller_loc() -> Loc | None:
+    """The first stack frame outside the kdsl package: the DSL line that made a node."""
+    f = sys._getframe(1)
+    while f is not None and os.path.dirname(os.path.abspath(f.f_code.co_filename)) == _KDSL_DIR:
+        f = f.f_back
+    if f is None:
+        return None
+    import linecache
+
+    fn = f.f_code.co_filename
+    return Loc(fn, f.f_lineno, linecache.getline(fn, f.f_lineno).strip())
+
+
+@dataclass(eq=False)
+class RangeInfo:
+    """A contiguous tile `start + arange(size)`; kept so packed loads can index storage words."""
+
+    start: Any  # Value or int
+    size: int
+
+
+class Value:
+    """An SSA value produced by a node: a scalar (no axes) or a tile over named axes."""
+
+    def __init__(self, dtype: T.DType, axes: tuple[Axis, ...], masks: frozenset = frozenset(),
+                 hint: str = "v", range_info: RangeInfo | None = None, const: Any = None) -> None:
+        self.dtype, self.axes, self.masks = dtype, tuple(axes), frozenset(masks)
+        self.hint, self.range_info, self.const = hint, range_info, const
+        self.name: str | None = None
+        self.node: Node | None = None
+
+    @property
+    def is_scalar(self) -> bool:
+        return not self.axes
+
+    def __repr__(self) -> str:
+        return f"Value({self.name or self.hint}: {self.dtype!r}{list(self.axes)})"
+
+    # operator overloading lives in lang.py (installed there) to keep this module data-only
+    __hash__ = object.__hash__
+
+
+@dataclass(eq=False)
+class Node:
+    op: str
+    args: list[Any]
+    attrs: dict[str, Any]
+    results: list[Value]
+    loc: Loc | None
+    blocks: list["Block"] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Block:
+    nodes: list[Node] = field(default_factory=list)
+
+
+@dataclass
+class TunableSpec:
+    name: str
+    domain: tuple[Any, ...]
+    default: Any
+    doc: str = ""
+
+
+@dataclass
+class GridEntry:
+    kind: str  # "tile" or "each"
+    dim: str
+    block: int = 1
+
+
+@dataclass
+class OperandHandle:
+    name: str
+    spec: T.Operand
+    dtype: T.DType  # resolved storage type
+    strides: list[Any]  # Value or int per dim (storage dims)
+    kernel: str
+
+    @property
+    def is_int4(self) -> bool:
+        return isinstance(self.spec.dtype, T.Int4)
+
+
+class TraceContext:
+    """Everything a trace accumulates: the node tree, tunables, grid, params, rules."""
+
+    def __init__(self, kernel_name: str, target: Any, config: dict[str, Any],
+                 static: dict[str, int]) -> None:
+        self.kernel_name, self.target, self.config, self.static = kernel_name, target, config, static
+        self.root = Block()
+        self.stack: list[Block] = [self.root]
+        self.tunables: dict[str, TunableSpec] = {}
+        self.grid: list[GridEntry] = []
+        self.params: list[tuple[str, T.DType | None, Value | None]] = []  # (name, dtype, value) None = constexpr
+        self.dims: dict[str, Any] = {}
+        self.operands: dict[str, OperandHandle] = {}
+        self.used_config: set[str] = set()
+        self._names = itertools.count()
+
+    def fresh(self, hint: str) -> str:
+        return f"{hint}_{next(self._names)}"
+
+    def add(self, op: str, args: list[Any], attrs: dict[str, Any], results: list[Value],
+            loc: Loc | None = None) -> Node:
+        node = Node(op, args, attrs, results, loc or caller_loc())
+        for r in results:
+            r.node = node
+            if r.name is None:
+                r.name = self.fresh(r.hint)
+        self.stack[-1].nodes.append(node)
+        return node
+
+    def error(self, rule: str, param: str | None = None):
+        from .errors import TraceError
+
+        return TraceError(self.kernel_name, param, rule)
+
+
+_local = threading.local()
+
+
+def ctx() -> TraceContext:
+    c = getattr(_local, "ctx", None)
+    if c is None:
+        raise RuntimeError("kdsl language functions can only be used inside a @kdsl.kernel while it is traced")
+    return c
+
+
+class tracing:
+    def __init__(self, c: TraceContext) -> None:
+        self.c = c
+
+    def __enter__(self) -> TraceContext:
+        self.prev = getattr(_local, "ctx", None)
+        _local.ctx = self.c
+        return self.c
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.ctx = self.prev
+
+
+def walk(block: Block):
+    """All nodes, depth first, in program order."""
+    for n in block.nodes:
+        yield n
+        for b in n.blocks:
+            yield from walk(b)

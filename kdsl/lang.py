@@ -1,0 +1,620 @@
+"""The tile language: what a kernel body calls while it is traced.
+
+Every function here appends nodes to the current trace. Tunables are concrete Python values
+during a trace (one trace per config), so ordinary Python `if`/`for` on them is allowed; tile
+values have no truth value, which catches `if tile:` mistakes at trace time.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+from . import types as T
+from .ir import Axis, RangeInfo, TunableSpec, GridEntry, Value, ctx
+
+Scalarish = Value | int | float | bool
+
+DEFAULT_BLOCK_DOMAIN = (16, 32, 64, 128, 256)
+DEFAULT_BLOCK = 64
+
+
+# ----------------------------------------------------------------------------------------------
+# values and type rules
+
+def const(v: int | float | bool, dtype: T.DType | None = None) -> Value:
+    if dtype is None:
+        dtype = T.bool_ if isinstance(v, bool) else (T.i32 if isinstance(v, int) else T.f32)
+    if isinstance(v, int) and not isinstance(v, bool) and not (-(2**31) <= v < 2**31) and dtype is T.i32:
+        dtype = T.i64
+    return Value(dtype, (), hint="c", const=v)
+
+
+def as_value(x: Any, like: Value | None = None) -> Value:
+    if isinstance(x, Value):
+        return x
+    if isinstance(x, bool):
+        return const(x)
+    if isinstance(x, int):
+        return Value(like.dtype if like is not None and not like.dtype.is_float and like.dtype is not T.bool_
+                     else T.i32, (), hint="c", const=x) if like is not None else const(x)
+    if isinstance(x, float):
+        return Value(like.dtype if like is not None and like.dtype.is_float else T.f32, (), hint="c", const=x)
+    raise ctx().error(f"cannot use {type(x).__name__} {x!r} as a tile value")
+
+
+def _rank(d: T.DType) -> int:
+    return d.bits
+
+
+def promote(a: T.DType, b: T.DType) -> T.DType:
+    """Triton's promotion for two tensors (the rules we rely on, stated once)."""
+    if a == b:
+        return a
+    if a.is_fp8 or b.is_fp8:
+        raise ctx().error(f"arithmetic on fp8 ({a!r}, {b!r}) is not allowed: cast to f32 first")
+    if a is T.bool_:
+        return b
+    if b is T.bool_:
+        return a
+    if a.is_float and b.is_float:
+        if a.bits == b.bits:  # bf16 with f16
+            return T.f32
+        return a if a.bits > b.bits else b
+    if a.is_float:
+        return a
+    if b.is_float:
+        return b
+    if a.bits == b.bits:
+        return a if not a.is_signed else b
+    return a if a.bits > b.bits else b
+
+
+def union_axes(*vals: Value) -> tuple[Axis, ...]:
+    out: list[Axis] = []
+    for v in vals:
+        for ax in v.axes:
+            if ax not in out:
+                out.append(ax)
+    return tuple(out)
+
+
+def union_masks(*vals: Value) -> frozenset:
+    m: frozenset = frozenset()
+    for v in vals:
+        m = m | v.masks
+    return m
+
+
+_ARITH = {"+", "-", "*", "/", "//", "%"}
+_INT_ONLY = {"//", "%", "<<", ">>", "&", "|", "^"}
+_CMP = {"<", "<=", ">", ">=", "==", "!="}
+
+
+def binary(op: str, a: Any, b: Any) -> Value:
+    if not isinstance(a, Value) and not isinstance(b, Value):
+        raise ctx().error(f"binary {op} needs at least one tile value")
+    a = as_value(a, like=b if isinstance(b, Value) else None)
+    b = as_value(b, like=a)
+    if a.const is not None and b.const is None:
+        dt = b.dtype if (a.dtype.is_float == b.dtype.is_float or not a.dtype.is_float) else promote(a.dtype, b.dtype)
+    elif b.const is not None and a.const is None:
+        dt = a.dtype if (a.dtype.is_float == b.dtype.is_float or not b.dtype.is_float) else promote(a.dtype, b.dtype)
+    else:
+        dt = promote(a.dtype, b.dtype)
+    if op in _INT_ONLY and dt.is_float:
+        raise ctx().error(f"operator {op} needs integer operands, got {a.dtype!r} and {b.dtype!r}")
+    if op == "/" and not dt.is_float:
+        dt = T.f32
+    if dt.is_fp8:
+        raise ctx().error(f"arithmetic on fp8 is not allowed: cast to f32 first")
+    res_dt = T.bool_ if op in _CMP else dt
+    out = Value(res_dt, union_axes(a, b), union_masks(a, b), hint="t")
+    ctx().add("binary", [a, b], {"op": op, "dtype": dt}, [out])
+    return out
+
+
+def unary(op: str, a: Value, dtype: T.DType | None = None) -> Value:
+    out = Value(dtype or a.dtype, a.axes, a.masks, hint="t")
+    ctx().add("unary", [a], {"op": op}, [out])
+    return out
+
+
+def _install_operators() -> None:
+    def mk(op: str, rev: bool = False):
+        if rev:
+            return lambda self, other: binary(op, other, self)
+        return lambda self, other: binary(op, self, other)
+
+    for op, name in [("+", "add"), ("-", "sub"), ("*", "mul"), ("/", "truediv"), ("//", "floordiv"),
+                     ("%", "mod"), ("<<", "lshift"), (">>", "rshift"), ("&", "and"), ("|", "or"),
+                     ("^", "xor")]:
+        setattr(Value, f"__{name}__", mk(op))
+        setattr(Value, f"__r{name}__", mk(op, rev=True))
+    for op, name in [("<", "lt"), ("<=", "le"), (">", "gt"), (">=", "ge")]:
+        setattr(Value, f"__{name}__", mk(op))
+    Value.__eq__ = mk("==")  # type: ignore[assignment]
+    Value.__ne__ = mk("!=")  # type: ignore[assignment]
+    Value.__hash__ = object.__hash__  # type: ignore[assignment]
+    Value.__neg__ = lambda self: unary("-", self)  # type: ignore[attr-defined]
+    Value.__invert__ = lambda self: unary("~", self)  # type: ignore[attr-defined]
+
+    def no_bool(self):
+        raise ctx().error(f"a tile value ({self.name}) has no truth value while tracing: "
+                          "use kd.where for data, kd.exit_if for an early return")
+
+    Value.__bool__ = no_bool  # type: ignore[attr-defined]
+    Value.to = lambda self, dtype, rounding=None: cast(self, dtype, rounding)  # type: ignore[attr-defined]
+    Value.bitcast = lambda self, dtype: bitcast(self, dtype)  # type: ignore[attr-defined]
+
+
+_install_operators()
+
+
+def cast(x: Value, dtype: T.ElemType, rounding: str | None = None) -> Value:
+    """Convert element type. `rounding` is None (round to nearest even) or "rtz" (toward zero)."""
+    from .targets import resolve_dtype
+
+    dtype = resolve_dtype(dtype, ctx().target)
+    if rounding not in (None, "rtz"):
+        raise ctx().error(f"rounding must be None (nearest even) or 'rtz', got {rounding!r}")
+    if rounding == "rtz" and dtype is not T.bf16:
+        raise ctx().error("round-toward-zero is supported for bf16 results only")
+    x = as_value(x)
+    if x.dtype is dtype and rounding is None:
+        return x
+    out = Value(dtype, x.axes, x.masks, hint="t")
+    ctx().add("cast", [x], {"dtype": dtype, "rounding": rounding}, [out])
+    return out
+
+
+def bitcast(x: Value, dtype: T.DType) -> Value:
+    if x.dtype.bits != dtype.bits:
+        raise ctx().error(f"bitcast {x.dtype!r} -> {dtype!r} changes the bit width")
+    out = Value(dtype, x.axes, x.masks, hint="t")
+    ctx().add("bitcast", [x], {"dtype": dtype}, [out])
+    return out
+
+
+def _float_math(op: str, x: Any) -> Value:
+    x = as_value(x)
+    if x.dtype not in (T.f32, T.f64):
+        x = cast(x, T.f32)
+    return unary(op, x)
+
+
+def exp(x: Any) -> Value: return _float_math("exp", x)
+def exp2(x: Any) -> Value: return _float_math("exp2", x)
+def log(x: Any) -> Value: return _float_math("log", x)
+def log2(x: Any) -> Value: return _float_math("log2", x)
+def sqrt(x: Any) -> Value: return _float_math("sqrt", x)
+def rsqrt(x: Any) -> Value: return _float_math("rsqrt", x)
+def sin(x: Any) -> Value: return _float_math("sin", x)
+def cos(x: Any) -> Value: return _float_math("cos", x)
+def sigmoid(x: Any) -> Value: return _float_math("sigmoid", x)
+def abs(x: Any) -> Value: return unary("abs", as_value(x))  # noqa: A001
+
+
+def silu(x: Any) -> Value:
+    """x * sigmoid(x), computed in f32."""
+    x = as_value(x)
+    xf = cast(x, T.f32) if x.dtype is not T.f32 else x
+    return xf * sigmoid(xf)
+
+
+def maximum(a: Any, b: Any) -> Value:
+    return _minmax("maximum", a, b)
+
+
+def minimum(a: Any, b: Any) -> Value:
+    return _minmax("minimum", a, b)
+
+
+def _minmax(op: str, a: Any, b: Any) -> Value:
+    a = as_value(a, like=b if isinstance(b, Value) else None)
+    b = as_value(b, like=a)
+    dt = promote(a.dtype, b.dtype) if (a.const is None and b.const is None) else (a.dtype if b.const is not None else b.dtype)
+    out = Value(dt, union_axes(a, b), union_masks(a, b), hint="t")
+    ctx().add("minmax", [a, b], {"op": op, "dtype": dt}, [out])
+    return out
+
+
+def where(cond: Any, a: Any, b: Any) -> Value:
+    cond = as_value(cond)
+    a_v = as_value(a, like=b if isinstance(b, Value) else None)
+    b_v = as_value(b, like=a_v)
+    if a_v.const is not None and b_v.const is None:
+        a_v = as_value(a, like=b_v)
+    dt = promote(a_v.dtype, b_v.dtype) if (a_v.const is None and b_v.const is None) else (
+        b_v.dtype if a_v.const is not None else a_v.dtype)
+    out = Value(dt, union_axes(cond, a_v, b_v), union_masks(cond, a_v, b_v), hint="t")
+    ctx().add("where", [cond, a_v, b_v], {"dtype": dt}, [out])
+    return out
+
+
+def _axis_of(x: Value, axis: Value | Axis) -> Axis:
+    ax = axis if isinstance(axis, Axis) else (axis.axes[0] if isinstance(axis, Value) and len(axis.axes) == 1 else None)
+    if ax is None or ax not in x.axes:
+        raise ctx().error(f"reduction axis {axis!r} is not an axis of {x!r}")
+    return ax
+
+
+def _reduce(op: str, x: Value, axis: Value | Axis) -> Value:
+    ax = _axis_of(x, axis)
+    dt = x.dtype
+    if op == "sum":
+        dt = (T.f32 if dt.bits < 32 else dt) if dt.is_float else (T.i32 if dt.bits < 32 else dt)
+    masks = frozenset(m for m in x.masks if ax not in m.axes)
+    out = Value(dt, tuple(a for a in x.axes if a is not ax), masks, hint="r")
+    ctx().add("reduce", [x], {"op": op, "axis": ax, "dtype": dt}, [out])
+    return out
+
+
+def sum(x: Value, axis: Value | Axis) -> Value:  # noqa: A001
+    """Sum over one axis; narrow floats accumulate in f32, narrow ints in i32."""
+    return _reduce("sum", x, axis)
+
+
+def max(x: Value, axis: Value | Axis) -> Value:  # noqa: A001
+    return _reduce("max", x, axis)
+
+
+def min(x: Value, axis: Value | Axis) -> Value:  # noqa: A001
+    return _reduce("min", x, axis)
+
+
+def dot(a: Value, b: Value, acc: Value | None = None) -> Value:
+    """Matrix product contracting the one axis `a` and `b` share: int8 -> i32, floats -> f32.
+
+    Tiles smaller than 16 in any dim lower to a broadcast multiply and sum (a legal, VALU
+    form for decode-sized tiles); larger ones lower to `tl.dot` (MFMA / wgmma)."""
+    c = ctx()
+    if len(a.axes) != 2 or len(b.axes) != 2:
+        raise c.error(f"dot needs two 2-D tiles, got {a!r} and {b!r}")
+    common = [ax for ax in a.axes if ax in b.axes]
+    if len(common) != 1:
+        raise c.error(f"dot operands must share exactly one axis to contract, got {a!r} and {b!r}")
+    k = common[0]
+    i = next(ax for ax in a.axes if ax is not k)
+    j = next(ax for ax in b.axes if ax is not k)
+    if a.dtype.is_float != b.dtype.is_float:
+        raise c.error(f"dot operands must both be integer or both float, got {a.dtype!r} and {b.dtype!r}")
+    if not a.dtype.is_float and (a.dtype.bits != 8 or b.dtype.bits != 8):
+        raise c.error(f"integer dot takes int8 operands, got {a.dtype!r} and {b.dtype!r}")
+    if a.dtype.is_float and a.dtype != b.dtype:
+        raise c.error(f"float dot operands must have one type, got {a.dtype!r} and {b.dtype!r}: cast one")
+    out_dt = T.f32 if a.dtype.is_float else T.i32
+    if acc is not None:
+        if set(acc.axes) != {i, j} or acc.dtype is not out_dt:
+            raise c.error(f"dot accumulator must be {out_dt!r} over ({i}, {j}), got {acc!r}")
+    masks = frozenset(m for m in (a.masks | b.masks) if k not in m.axes)
+    out = Value(out_dt, (i, j), masks, hint="acc")
+    c.add("dot", [a, b, acc], {"i": i, "k": k, "j": j, "dtype": out_dt}, [out])
+    return out
+
+
+def zeros(axes: Sequence[Value | Axis], dtype: T.ElemType) -> Value:
+    return full(axes, 0, dtype)
+
+
+def full(axes: Sequence[Value | Axis], value: int | float, dtype: T.ElemType) -> Value:
+    from .targets import resolve_dtype
+
+    dtype = resolve_dtype(dtype, ctx().target)
+    axs = []
+    for a in axes:
+        if isinstance(a, Axis):
+            axs.append(a)
+        elif isinstance(a, Value) and len(a.axes) == 1:
+            axs.append(a.axes[0])
+        else:
+            raise ctx().error(f"full/zeros take tile ranges or axes, got {a!r}")
+    out = Value(dtype, tuple(axs), hint="z")
+    ctx().add("full", [], {"value": value, "dtype": dtype}, [out])
+    return out
+
+
+def broadcast(x: Value, axes: Sequence[Value | Axis]) -> Value:
+    """Broadcast `x` explicitly to the given axes (needed only where a shape must be exact)."""
+    axs = [a if isinstance(a, Axis) else a.axes[0] for a in axes]
+    if not set(x.axes) <= set(axs):
+        raise ctx().error(f"cannot broadcast {x!r} to {axs}")
+    out = Value(x.dtype, tuple(axs), x.masks, hint="b")
+    ctx().add("broadcast", [x], {}, [out])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# tunables, dims, grids and ranges
+
+def tunable(name: str, domain: Sequence[Any], default: Any, doc: str = "") -> Any:
+    """Declare a tunable where it is used; returns its value in the config being traced."""
+    c = ctx()
+    domain = tuple(domain)
+    if default not in domain:
+        raise c.error(f"default {default!r} is not in the domain {domain}", name)
+    spec = c.tunables.get(name)
+    if spec is None:
+        c.tunables[name] = TunableSpec(name, domain, default, doc)
+    value = c.config.get(name, default)
+    c.used_config.add(name)
+    return value
+
+
+def require(cond: bool, rule: str, param: str | None = None) -> None:
+    """A validity rule on tunables or static dims: a config that breaks it is rejected by name."""
+    from .errors import ConfigError
+
+    if not cond:
+        c = ctx()
+        raise ConfigError(c.kernel_name, param, rule)
+
+
+def dim(name: str) -> Value | int:
+    """A symbolic dim: a Python int when static for this trace, else a runtime i32 scalar."""
+    c = ctx()
+    if name not in c.dims:
+        raise c.error(f"unknown dim {name!r}; declared: {sorted(c.dims)}")
+    return c.dims[name]
+
+
+def static(name: str) -> int:
+    v = dim(name)
+    if not isinstance(v, int):
+        raise ctx().error(f"dim {name!r} must be static for this use: declare it in @kernel(static=...)")
+    return v
+
+
+class tile:
+    """A grid spec: tile the dim `dim` with block tunable `block` (default BLOCK_<dim>)."""
+
+    def __init__(self, dim: str, block: str | int | None = None,
+                 domain: Sequence[int] = DEFAULT_BLOCK_DOMAIN, default: int | None = None) -> None:
+        self.dim, self.block, self.domain, self.default = dim, block, tuple(domain), default
+
+    def block_size(self) -> int:
+        if isinstance(self.block, int):
+            return self.block
+        name = self.block or f"BLOCK_{self.dim}"
+        c = ctx()
+        if name in c.tunables:
+            return tunable(name, c.tunables[name].domain, c.tunables[name].default)
+        d = self.default if self.default is not None else (DEFAULT_BLOCK if DEFAULT_BLOCK in self.domain else self.domain[0])
+        return tunable(name, self.domain, d)
+
+
+class each:
+    """A grid spec: one program per index of `dim`; the kernel sees a scalar index."""
+
+    def __init__(self, dim: str) -> None:
+        self.dim = dim
+
+
+def _program_id(axis: int) -> Value:
+    out = Value(T.i32, (), hint="pid")
+    ctx().add("program_id", [], {"axis": axis}, [out])
+    return out
+
+
+def span(start: Value | int, size: int, limit: Value | int | None = None, label: str = "r") -> Value:
+    """The tile `start + arange(size)`, masked by `< limit` when a limit is given."""
+    c = ctx()
+    if size < 1 or size & (size - 1):
+        raise c.error(f"tile size must be a power of two, got {size} for {label!r}")
+    ax = Axis(label, size)
+    out = Value(T.i32, (ax,), hint=f"{label.lower()}", range_info=RangeInfo(start, size))
+    c.add("range", [start], {"size": size}, [out])
+    if limit is not None:
+        pred = binary("<", out, limit)
+        pred.masks = frozenset()
+        out.masks = frozenset({pred})
+    return out
+
+
+def arange(size: int, label: str = "r", limit: Value | int | None = None) -> Value:
+    return span(0, size, limit, label)
+
+
+def full_range(name: str) -> Value:
+    """All of a static dim as one tile (padded to a power of two and masked when needed)."""
+    n = static(name)
+    size = 1 << (n - 1).bit_length()
+    return span(0, size, n if size != n else None, name)
+
+
+def grid(*specs: str | tile | each) -> list[Value]:
+    """Launch one program per tile of the listed dims; returns each program's tile (or index)."""
+    c = ctx()
+    if c.grid:
+        raise c.error("kd.grid may be called once per kernel")
+    if not 1 <= len(specs) <= 3:
+        raise c.error(f"grid takes 1 to 3 dims, got {len(specs)}")
+    out = []
+    for axis, s in enumerate(specs):
+        s = tile(s) if isinstance(s, str) else s
+        dim(s.dim)  # validates the name
+        pid = _program_id(axis)
+        if isinstance(s, each):
+            c.grid.append(GridEntry("each", s.dim))
+            out.append(pid)
+        else:
+            b = s.block_size()
+            c.grid.append(GridEntry("tile", s.dim, b))
+            out.append(span(pid * b, b, dim(s.dim), s.dim))
+    return out
+
+
+def cdiv(a: Any, b: Any) -> Any:
+    if isinstance(a, int) and isinstance(b, int):
+        return -(-a // b)
+    return (a + (b - 1)) // b
+
+
+# ----------------------------------------------------------------------------------------------
+# loops
+
+class tiles:
+    """What a fold walks: [start, stop) in steps of a tile; `dim` gives stop = that dim."""
+
+    def __init__(self, dim: str | None = None, *, start: Value | int = 0, stop: Value | int | None = None,
+                 block: str | int | None = None, domain: Sequence[int] = DEFAULT_BLOCK_DOMAIN,
+                 default: int | None = None, label: str | None = None) -> None:
+        if dim is None and stop is None:
+            raise ctx().error("tiles needs a dim or a stop")
+        self.dim, self.start, self.stop, self.block = dim, start, stop, block
+        self.domain, self.default = tuple(domain), default
+        self.label = label or dim or "r"
+
+    def resolve(self) -> tuple[Value | int, Value | int, int]:
+        stop = dim(self.dim) if self.stop is None else self.stop
+        if isinstance(self.block, int):
+            b = self.block
+        else:
+            b = tile(self.dim or self.label, self.block, self.domain, self.default).block_size()
+        return self.start, stop, b
+
+
+def fold(over: str | tiles, init: Value | Sequence[Value], body: Callable[..., Any]) -> Any:
+    """Loop over tiles carrying state: `body(tile, *state) -> new state` (a value or a tuple)."""
+    c = ctx()
+    spec = tiles(over) if isinstance(over, str) else over
+    start, stop, block = spec.resolve()
+    single = isinstance(init, Value)
+    inits = [init] if single else list(init)
+    for v in inits:
+        if not isinstance(v, Value):
+            raise c.error(f"fold state must be tile values, got {v!r}")
+    carried = [Value(v.dtype, v.axes, v.masks, hint="carry") for v in inits]
+    for v in carried:
+        v.name = c.fresh("carry")
+    loopvar = Value(T.i32, (), hint="i")
+    loopvar.name = c.fresh(spec.label.lower() + "0")
+    from .ir import Block
+
+    body_block = Block()
+    c.stack.append(body_block)
+    try:
+        r = span(loopvar, block, stop, spec.label)
+        res = body(r, *carried)
+    finally:
+        c.stack.pop()
+    outs = [res] if single else list(res) if isinstance(res, (tuple, list)) else [res]
+    if len(outs) != len(inits):
+        raise c.error(f"fold body returned {len(outs)} values for {len(inits)} state values")
+    for o, v in zip(outs, carried):
+        o = as_value(o, like=v)
+        if not set(o.axes) <= set(v.axes):
+            raise c.error(f"fold state changed axes from {list(v.axes)} to {list(o.axes)}")
+    outs = [as_value(o, like=v) for o, v in zip(outs, carried)]
+    node = c.add("fold", [start, stop, *inits], {"block": block, "loopvar": loopvar, "yields": outs,
+                                                  "range": r}, [])
+    node.results = carried
+    for v in carried:
+        v.node = node
+    node.blocks = [body_block]
+    return carried[0] if single else tuple(carried)
+
+
+def exit_if(cond: Value) -> None:
+    """Return early from the whole program when a scalar condition holds."""
+    if cond.axes:
+        raise ctx().error("exit_if needs a scalar condition")
+    ctx().add("exit_if", [cond], {}, [])
+
+
+# ----------------------------------------------------------------------------------------------
+# memory
+
+def _index_values(h, idx: Sequence[Any]) -> list[Value | int]:
+    c = ctx()
+    dims = h.spec.dims
+    if len(idx) != len(dims):
+        raise c.error(f"{h.name} has {len(dims)} dims {dims}, indexed with {len(idx)}", h.name)
+    out = []
+    for d, i in zip(dims, idx):
+        if isinstance(i, slice):
+            if i != slice(None):
+                raise c.error(f"only ':' slices are allowed (whole static dim), got {i}", h.name)
+            i = full_range(d)
+        if isinstance(i, Value) and i.dtype.is_float:
+            raise c.error(f"index into {h.name} along {d} is {i.dtype!r}, not an integer", h.name)
+        if not isinstance(i, (Value, int)):
+            raise c.error(f"index into {h.name} along {d} must be a tile or int, got {i!r}", h.name)
+        out.append(i)
+    return out
+
+
+def load(h, *idx: Any, mask: Value | None = None, other: int | float = 0) -> Value:
+    """Gather-load `h[idx...]`: the result has the union of the indices' axes, masked by theirs."""
+    c = ctx()
+    ivals = _index_values(h, idx)
+    vals = [v for v in ivals if isinstance(v, Value)]
+    extra = [mask] if mask is not None else []
+    axes = union_axes(*vals, *extra)
+    masks = union_masks(*vals)
+    if h.is_int4:
+        last = ivals[-1]
+        if not isinstance(last, Value) or last.range_info is None or len(last.axes) != 1:
+            raise c.error(f"{h.name} is packed int4: index its last dim with a contiguous tile", h.name)
+        if last.range_info.size % 8:
+            raise c.error(f"{h.name} is packed int4 (8 per word): the tile along {h.spec.dims[-1]} "
+                          f"must be a multiple of 8, got {last.range_info.size}", h.name)
+        if mask is not None and last.axes[0] in mask.axes:
+            raise c.error(f"{h.name}: an extra mask over the packed axis is not supported", h.name)
+        out = Value(T.i8, axes, masks, hint=h.name)
+        c.add("load_int4", [h, ivals, masks, mask], {"pack": h.spec.dtype}, [out])
+        return out
+    out = Value(h.dtype, axes, masks, hint=h.name)
+    c.add("load", [h, ivals, masks, mask], {"other": other}, [out])
+    return out
+
+
+def store(h, idx: Sequence[Any], value: Any, mask: Value | None = None) -> None:
+    c = ctx()
+    if h.spec.kind == "in":
+        raise c.error(f"{h.name} is declared In[...]: declare it Out or InOut to store", h.name)
+    if h.is_int4:
+        raise c.error(f"{h.name}: storing packed int4 is not supported", h.name)
+    ivals = _index_values(h, idx)
+    vals = [v for v in ivals if isinstance(v, Value)]
+    axes = union_axes(*vals)
+    value = as_value(value)
+    if not set(value.axes) <= set(axes):
+        raise c.error(f"stored value has axes {list(value.axes)} not covered by the index axes {list(axes)}", h.name)
+    if value.dtype is not h.dtype:
+        value = cast(value, h.dtype)
+    c.add("store", [h, ivals, union_masks(*vals), mask, value], {"axes": axes}, [])
+
+
+def atomic_add(h, idx: Sequence[Any], value: Any, mask: Value | None = None) -> None:
+    """`h[idx] += value` atomically across programs (relaxed ordering)."""
+    c = ctx()
+    if h.spec.kind == "in":
+        raise c.error(f"{h.name} is declared In[...]: atomics need Out or InOut", h.name)
+    ivals = _index_values(h, idx)
+    vals = [v for v in ivals if isinstance(v, Value)]
+    axes = union_axes(*vals)
+    value = as_value(value)
+    if value.dtype is not h.dtype:
+        value = cast(value, h.dtype)
+    c.add("atomic_add", [h, ivals, union_masks(*vals), mask, value], {"axes": axes}, [])
+
+
+def _install_operand_methods() -> None:
+    from .ir import OperandHandle
+
+    def getitem(self, idx):
+        return load(self, *(idx if isinstance(idx, tuple) else (idx,)))
+
+    def setitem(self, idx, value):
+        store(self, idx if isinstance(idx, tuple) else (idx,), value)
+
+    OperandHandle.__getitem__ = getitem  # type: ignore[attr-defined]
+    OperandHandle.__setitem__ = setitem  # type: ignore[attr-defined]
+    OperandHandle.load = lambda self, *idx, mask=None, other=0: load(self, *idx, mask=mask, other=other)  # type: ignore[attr-defined]
+    OperandHandle.store = lambda self, *idx, value, mask=None: store(self, idx, value, mask)  # type: ignore[attr-defined]
+    OperandHandle.atomic_add = lambda self, *idx, value, mask=None: atomic_add(self, idx, value, mask)  # type: ignore[attr-defined]
+
+
+_install_operand_methods()
+
+__all__ = [n for n in dir() if not n.startswith("_")] + ["math"]

@@ -1,0 +1,137 @@
+"""Passes over the traced IR: dot-accumulate fusion, target legalization, dead code removal."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from . import types as T
+from .ir import Block, Node, Value, walk
+from .targets import Target
+
+SIDE_EFFECTS = {"store", "atomic_add", "exit_if"}
+
+
+def _values_in(x: Any) -> Iterable[Value]:
+    if isinstance(x, Value):
+        yield x
+    elif isinstance(x, (list, tuple, set, frozenset)):
+        for y in x:
+            yield from _values_in(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _values_in(y)
+
+
+def node_inputs(n: Node) -> list[Value]:
+    vals = list(_values_in(n.args))
+    vals += list(_values_in({k: v for k, v in n.attrs.items() if k in ("yields",)}))
+    for v in list(vals):
+        vals += list(v.masks)  # a value's index masks are read wherever it indexes memory
+    return vals
+
+
+def use_counts(root: Block) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for n in walk(root):
+        for v in node_inputs(n):
+            counts[id(v)] = counts.get(id(v), 0) + 1
+    return counts
+
+
+def fuse_dot_accumulate(block: Block, counts: dict[int, int] | None = None) -> int:
+    """`acc + dot(a, b)` becomes `dot(a, b, acc)` (one MFMA chain instead of a separate add)."""
+    counts = counts if counts is not None else use_counts(block)
+    fused = 0
+    for n in list(block.nodes):
+        for b in n.blocks:
+            fused += fuse_dot_accumulate(b, counts)
+        if n.op != "binary" or n.attrs["op"] != "+":
+            continue
+        for side in (0, 1):
+            d, other = n.args[side], n.args[1 - side]
+            dn = d.node
+            if (dn is None or dn.op != "dot" or dn.args[2] is not None or dn not in block.nodes
+                    or counts.get(id(d), 0) != 1 or other.dtype is not d.dtype
+                    or set(other.axes) != set(d.axes) or other.const is not None):
+                continue
+            block.nodes.remove(dn)
+            idx = block.nodes.index(n)
+            dn.args[2] = other
+            out = n.results[0]
+            out.dtype, out.axes = d.dtype, d.axes
+            dn.results = [out]
+            out.node = dn
+            block.nodes[idx] = dn
+            fused += 1
+            break
+    return fused
+
+
+def legalize(root: Block, target: Target) -> None:
+    """Annotate nodes with the lowering the target needs (the emitter follows the annotations)."""
+    interp = target.backend == "interpret"
+    for n in walk(root):
+        if n.op == "dot":
+            a = n.args[0]
+            small = any(ax.size < 16 for ax in (n.attrs["i"], n.attrs["k"], n.attrs["j"]))
+            n.attrs["form"] = "mulsum" if small else "mma"
+            # the interpreter multiplies bf16 bit patterns: compute in f32 there (exact products)
+            n.attrs["upcast"] = interp and a.dtype in (T.bf16, T.f16)
+        elif n.op == "cast":
+            dt, src = n.attrs["dtype"], n.args[0].dtype
+            if n.attrs["rounding"] == "rtz":
+                n.attrs["lower"] = "rtz_bits"
+            elif interp and dt is T.bf16 and src is not T.bf16:
+                n.attrs["lower"] = "rne_bits"  # the interpreter truncates; emulate nearest-even
+            else:
+                n.attrs["lower"] = "plain"
+        elif n.op in ("binary", "unary", "minmax", "where"):
+            dt = n.results[0].dtype
+            n.attrs["f32_then_round"] = interp and dt is T.bf16 and n.attrs.get("op") not in ("~",)
+        if n.op == "load" or n.op == "store" or n.op == "atomic_add":
+            h = n.args[0]
+            if h.dtype.is_fp8 and target.backend != "interpret":
+                from .targets import native_fp8
+
+                if h.dtype not in native_fp8(target):
+                    from .errors import ConfigError
+
+                    raise ConfigError(h.kernel, h.name, f"fp8 flavour {h.dtype!r} is not native to {target.name} "
+                                      f"(native: {', '.join(d.name for d in native_fp8(target))}); declare it kd.fp8 "
+                                      "or convert the data (REFERENCE: e4m3fn -> e4m3fnuz doubles the scale)")
+
+
+def dce(root: Block) -> int:
+    removed = 0
+    while True:
+        counts = use_counts(root)
+        n_removed = _dce_block(root, counts)
+        removed += n_removed
+        if not n_removed:
+            return removed
+
+
+def _has_effects(n: Node) -> bool:
+    if n.op in SIDE_EFFECTS:
+        return True
+    return any(_has_effects(m) for b in n.blocks for m in b.nodes)
+
+
+def _dce_block(block: Block, counts: dict[int, int]) -> int:
+    removed = 0
+    keep = []
+    for n in block.nodes:
+        for b in n.blocks:
+            removed += _dce_block(b, counts)
+        if not _has_effects(n) and n.results and all(counts.get(id(r), 0) == 0 for r in n.results):
+            removed += 1
+            continue
+        keep.append(n)
+    block.nodes[:] = keep
+    return removed
+
+
+def run_passes(root: Block, target: Target) -> dict[str, int]:
+    stats = {"dot_acc_fused": fuse_dot_accumulate(root)}
+    legalize(root, target)
+    stats["dead_removed"] = dce(root)
+    return stats
