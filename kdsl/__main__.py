@@ -62,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(name)
             return 0
         k = get_kernel(args.kernel, args.module)
-        target = get_target(args.arch)
+        try:
+            target = get_target(args.arch)
+        except ValueError as e:
+            raise SystemExit(f"kdsl: {e}") from None
         cfg, problem = parse_config(args.config), parse_kv(args.problem)
         if args.emit == "triton":
             static = {d: v for d, v in {**k.example, **problem}.items() if d in k.static}

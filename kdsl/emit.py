@@ -134,8 +134,28 @@ class Emitter:
     def _rne_bf16(self, src: str) -> str:
         u = self.fresh("u")
         self.w(f"{u} = {src}.to(tl.float32).to(tl.uint32, bitcast=True)")
-        self.w(f"{u} = ({u} + (0x7FFF + (({u} >> 16) & 1))) & 0xFFFF0000")
-        return f"{u}.to(tl.float32, bitcast=True).to(tl.bfloat16)"
+        # NaN stays a quiet NaN (adding the rounding bias could carry a NaN payload into inf)
+        self.w(f"{u} = tl.where(({u} & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, "
+               f"({u} + (0x7FFF + (({u} >> 16) & 1))) & 0xFFFF0000)")
+        # the high half is the bf16 pattern; a bit move (not a float cast) keeps subnormals exact
+        return f"({u} >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)"
+
+    # (mantissa bits, exponent of the smallest normal) per fp8 flavour
+    FP8_GRID = {"fp8e4m3fn": (3, -6), "fp8e4m3fnuz": (3, -7), "fp8e5m2": (2, -14), "fp8e5m2fnuz": (2, -15)}
+
+    def _rne_fp8(self, src: str, dt: T.DType) -> str:
+        """Round to the fp8 grid (nearest even; subnormals by the magic-number add) in f32."""
+        mbits, emin = self.FP8_GRID[dt.name]
+        drop = 23 - mbits
+        f, u, sub = self.fresh("f"), self.fresh("u"), self.fresh("sub")
+        self.w(f"{f} = {src}.to(tl.float32)")
+        self.w(f"{u} = {f}.to(tl.uint32, bitcast=True)")
+        self.w(f"{u} = ({u} + ({(1 << (drop - 1)) - 1} + (({u} >> {drop}) & 1))) & {0xFFFFFFFF ^ ((1 << drop) - 1)}")
+        c = 1.5 * 2.0 ** (23 + emin - mbits)
+        self.w(f"{sub} = (tl.abs({f}) + {c!r}) - {c!r}")
+        self.w(f"{sub} = tl.where({f} < 0, -{sub}, {sub})  # keep the sign of values that round to 0")
+        return (f"tl.where(tl.abs({f}) < {2.0 ** emin!r}, {sub}, {u}.to(tl.float32, bitcast=True))"
+                f".to({tl_type(dt)})")
 
     def _as_f32(self, v: Any, axes: tuple[Axis, ...], f32: bool) -> str:
         e = self.aligned(v, axes)
@@ -154,6 +174,8 @@ class Emitter:
         r, op = n.results[0], n.attrs["op"]
         a = self._as_f32(n.args[0], r.axes, bool(n.attrs.get("f32_then_round")))
         expr = f"{op}{a}" if op in ("-", "~") else f"{UNARY[op]}({a})"
+        if op == "sigmoid" and getattr(self.target, "backend", None) == "interpret":
+            expr = f"1.0 / (1.0 + tl.exp(-{self._paren(a)}))"  # tl.sigmoid is a JITFunction: not interpretable
         self.w(f"{r.name} = {self._f32_round(expr, n)}")
 
     def op_minmax(self, n: Node) -> None:
@@ -182,10 +204,12 @@ class Emitter:
         s = self.ref(src)
         lower = n.attrs.get("lower", "plain")
         if lower == "rtz_bits":
-            self.w(f"{r.name} = ({s}.to(tl.float32).to(tl.uint32, bitcast=True) & 0xFFFF0000)"
-                   f".to(tl.float32, bitcast=True).to(tl.bfloat16)")
+            self.w(f"{r.name} = ({s}.to(tl.float32).to(tl.uint32, bitcast=True) >> 16)"
+                   f".to(tl.uint16).to(tl.bfloat16, bitcast=True)")
         elif lower == "rne_bits":
             self.w(f"{r.name} = {self._rne_bf16(s)}")
+        elif lower == "rne_fp8_bits":
+            self.w(f"{r.name} = {self._rne_fp8(s, dt)}")
         else:
             self.w(f"{r.name} = {s}.to({tl_type(dt)})")
 
@@ -199,7 +223,17 @@ class Emitter:
         src = self.ref(x)
         if n.attrs["op"] == "sum" and x.dtype is not n.attrs["dtype"]:
             src = f"{src}.to({tl_type(n.attrs['dtype'])})"
-        self.w(f"{r.name} = tl.{n.attrs['op']}({src}, axis={ax})")
+        self.w(f"{r.name} = {self._reduce_call(n.attrs['op'], src, ax)}")
+
+    _INTERP_COMBINE = {"sum": "_sum_combine", "max": "_elementwise_max", "min": "_elementwise_min"}
+
+    def _reduce_call(self, op: str, src: str, ax: int) -> str:
+        """`tl.sum/max/min`; on the interpreter, `tl.reduce` with the standard combine function,
+        because tl.sum is a JITFunction there (not interpretable) while the patched tl.reduce maps
+        these combine functions to numpy reductions."""
+        if getattr(self.target, "backend", None) == "interpret":
+            return f"tl.reduce({src}, {ax}, tl.standard.{self._INTERP_COMBINE[op]})"
+        return f"tl.{op}({src}, axis={ax})"
 
     def op_full(self, n: Node) -> None:
         r = n.results[0]
@@ -218,7 +252,7 @@ class Emitter:
         if n.attrs["form"] == "mulsum":
             A3 = f"{self._paren(A)}.to({out})[:, :, None]"
             B3 = f"{self._paren(B)}.to({out})[None, :, :]"
-            expr = f"tl.sum({A3} * {B3}, axis=1)"
+            expr = self._reduce_call("sum", f"{A3} * {B3}", 1)
             if acc is not None:
                 expr = f"{self.aligned(acc, (i, j))} + {expr}"
             self.w(f"{r.name} = {expr}")
@@ -239,7 +273,10 @@ class Emitter:
         if m is None:
             self.w(f"{r.name} = tl.load({ptr})")
         else:
-            self.w(f"{r.name} = tl.load({ptr}, mask={m}, other={lit(n.attrs['other'])})")
+            other = n.attrs["other"]
+            if h.dtype.is_fp8 and isinstance(other, int):
+                other = float(other)  # the interpreter cannot cast an int `other` to fp8
+            self.w(f"{r.name} = tl.load({ptr}, mask={m}, other={lit(other)})")
 
     def op_load_int4(self, n: Node) -> None:
         h, ivals, masks, extra = n.args
@@ -268,6 +305,9 @@ class Emitter:
         words = self.fresh("words")
         wmask = " & ".join(f"({p})" for p in parts)
         self.w(f"{words} = tl.load({h.name}_ptr + {self._paren(offs)}, mask={wmask}, other=0)")
+        if n.attrs.get("unpack", "shift") == "bfe":
+            self._int4_bfe(r, words, waxes, pack)
+            return
         nib = self.fresh("sh")
         if pack.order == (0, 1, 2, 3, 4, 5, 6, 7):
             self.w(f"{nib} = tl.arange(0, 8) * 4")
@@ -283,6 +323,29 @@ class Emitter:
         else:
             self.w(f"{q} = (({w3} >> {sh3}) & 15) - 8")
         self.w(f"{r.name} = tl.reshape({q}, {self.shape(r.axes)}).to(tl.int8)")
+
+    def _int4_bfe(self, r: Value, words: str, waxes: tuple[Axis, ...], pack: T.Int4) -> None:
+        """Unpack with constant shifts per nibble (AMD: one v_bfe_i32 each), then interleave.
+
+        A join tree join(join(join(e0, e4), join(e2, e6)), join(join(e1, e5), join(e3, e7))) has
+        shape [..., 2, 2, 2] whose row-major flattening is elements 0..7 in order."""
+        el = []
+        for e in range(8):
+            i = pack.order.index(e)  # the nibble holding element e
+            v = self.fresh("e")
+            if pack.twos:
+                self.w(f"{v} = ({words} << {28 - 4 * i}) >> 28")
+            else:
+                self.w(f"{v} = (({words} >> {4 * i}) & 15) - 8")
+            el.append(v)
+
+        def j(a: str, b: str) -> str:
+            t = self.fresh("j")
+            self.w(f"{t} = tl.join({a}, {b})")
+            return t
+
+        tree = j(j(j(el[0], el[4]), j(el[2], el[6])), j(j(el[1], el[5]), j(el[3], el[7])))
+        self.w(f"{r.name} = tl.reshape({tree}, {self.shape(r.axes)}).to(tl.int8)")
 
     def _store_like(self, n: Node, fn: str) -> None:
         h, ivals, masks, extra, value = n.args

@@ -37,6 +37,7 @@ class Specialization:
     grid: list[GridEntry]
     params: list[tuple[str, Any]]  # (name, sig type string)
     stats: dict[str, int] = field(default_factory=dict)
+    sources: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # param -> (kind, name, dim index)
     _fn: Any = None
 
     @property
@@ -46,9 +47,7 @@ class Specialization:
             mod, _ = write_and_import(self.kernel.name, self.source)
             jf = getattr(mod, self.kernel.name)
             if self.target.backend == "interpret":
-                from triton.runtime.interpreter import InterpretedFunction
-
-                self._fn = InterpretedFunction(jf.fn)
+                self._fn = _Interpreted(jf.fn)
             else:
                 self._fn = jf
         return self._fn
@@ -208,7 +207,7 @@ class Kernel:
         header.append(f"passes: {stats}")
         src = emit_module(c, target, self.name, header)
         sp = Specialization(self, target, {**full_tun, **opts}, full_tun, opts, static, src, "", list(c.grid),
-                            list(c.params), stats)
+                            list(c.params), stats, _param_sources(self.signature, c.params))
         self._specs[key] = sp
         return sp
 
@@ -295,18 +294,68 @@ class Kernel:
             return sp
         flat: list[Any] = []
         for pname, _ in sp.params:
-            if pname.endswith("_ptr") and pname[:-4] in self.signature.operands:
-                flat.append(bound[pname[:-4]])
-            elif "_s" in pname and pname.rsplit("_s", 1)[0] in self.signature.operands:
-                op, i = pname.rsplit("_s", 1)
-                flat.append(bound[op].stride(int(i)))
-            elif pname in self.signature.scalars:
-                flat.append(bound[pname])
+            kind, ref, i = sp.sources[pname]
+            if kind == "ptr":
+                flat.append(bound[ref])
+            elif kind == "stride":
+                flat.append(bound[ref].stride(i))
+            elif kind == "scalar":
+                flat.append(bound[ref])
             else:
-                flat.append(dims[pname])
+                flat.append(dims[ref])
         opts = backend_options(self.name, target, sp.options)
         sp.fn[grid](*flat, **opts)
         return sp
+
+
+def _param_sources(sig: T.Signature, params: list[tuple[str, Any]]) -> dict[str, tuple[str, str, int]]:
+    """Where each generated parameter's value comes from at launch."""
+    out: dict[str, tuple[str, str, int]] = {}
+    for name, _ in params:
+        for op, spec in sig.operands.items():
+            if name == f"{op}_ptr":
+                out[name] = ("ptr", op, 0)
+            for i in range(len(spec.dims)):
+                if name == f"{op}_s{i}":
+                    out[name] = ("stride", op, i)
+        if name not in out:
+            out[name] = ("scalar", name, 0) if name in sig.scalars else ("dim", name, 0)
+    return out
+
+
+class _Interpreted:
+    """Triton's interpreter for a kernel whose module was imported without TRITON_INTERPRET.
+
+    Library helpers such as `tl.sum`, `tl.max` and `tl.sigmoid` are `@jit` functions that were
+    decorated as JITFunctions, which refuse to be called outside a compiled kernel. While an
+    interpreted launch runs, a call to any JITFunction is routed to the interpreter instead
+    (what TRITON_INTERPRET=1 would have done at import time)."""
+
+    _wrapped: dict[Any, Any] = {}
+
+    def __init__(self, fn: Callable) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self.inner = InterpretedFunction(fn)
+
+    def __getitem__(self, grid: Any) -> Callable:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            from triton.runtime.interpreter import InterpretedFunction
+            from triton.runtime.jit import JITFunction
+
+            def call(jf: Any, *a: Any, **k: Any) -> Any:
+                f = _Interpreted._wrapped.get(jf)
+                if f is None:
+                    f = _Interpreted._wrapped[jf] = InterpretedFunction(jf.fn)
+                return f(*a, **k)
+
+            saved = JITFunction.__call__
+            JITFunction.__call__ = call  # type: ignore[method-assign]
+            try:
+                return self.inner[grid](*args, **kwargs)
+            finally:
+                JITFunction.__call__ = saved  # type: ignore[method-assign]
+        return launch
 
 
 _CURRENT: list[Target] = []

@@ -226,7 +226,7 @@ def where(cond: Any, a: Any, b: Any) -> Value:
         a_v = as_value(a, like=b_v)
     dt = promote(a_v.dtype, b_v.dtype) if (a_v.const is None and b_v.const is None) else (
         b_v.dtype if a_v.const is not None else a_v.dtype)
-    out = Value(dt, union_axes(cond, a_v, b_v), union_masks(cond, a_v, b_v), hint="t")
+    out = Value(dt, union_axes(a_v, b_v, cond), union_masks(cond, a_v, b_v), hint="t")  # data axes lead
     ctx().add("where", [cond, a_v, b_v], {"dtype": dt}, [out])
     return out
 
@@ -240,6 +240,21 @@ def _axis_of(x: Value, axis: Value | Axis) -> Axis:
 
 def _reduce(op: str, x: Value, axis: Value | Axis) -> Value:
     ax = _axis_of(x, axis)
+    # masked-off lanes (the tail of a tile) must not take part: they hold the load's `other`
+    # (0) or whatever was computed from it, so select the op's neutral element there first
+    tail = sorted((mk for mk in x.masks if ax in mk.axes), key=lambda mk: mk.name)
+    if tail:
+        cond = tail[0]
+        for mk in tail[1:]:
+            cond = binary("&", cond, mk)
+        if op == "sum":
+            neutral: int | float = 0.0 if x.dtype.is_float else 0
+        elif x.dtype.is_float:
+            neutral = float("-inf") if op == "max" else float("inf")
+        else:
+            info = torch_iinfo(x.dtype)
+            neutral = info[0] if op == "max" else info[1]
+        x = where(cond, x, neutral)
     dt = x.dtype
     if op == "sum":
         dt = (T.f32 if dt.bits < 32 else dt) if dt.is_float else (T.i32 if dt.bits < 32 else dt)
@@ -247,6 +262,15 @@ def _reduce(op: str, x: Value, axis: Value | Axis) -> Value:
     out = Value(dt, tuple(a for a in x.axes if a is not ax), masks, hint="r")
     ctx().add("reduce", [x], {"op": op, "axis": ax, "dtype": dt}, [out])
     return out
+
+
+def torch_iinfo(dt: T.DType) -> tuple[int, int]:
+    """(min, max) of an integer element type."""
+    if dt is T.bool_:
+        return 0, 1
+    if dt.is_signed:
+        return -(1 << (dt.bits - 1)), (1 << (dt.bits - 1)) - 1
+    return 0, (1 << dt.bits) - 1
 
 
 def sum(x: Value, axis: Value | Axis) -> Value:  # noqa: A001
@@ -336,6 +360,10 @@ def tunable(name: str, domain: Sequence[Any], default: Any, doc: str = "") -> An
     if spec is None:
         c.tunables[name] = TunableSpec(name, domain, default, doc)
     value = c.config.get(name, default)
+    if value not in domain:  # a config from a file or the CLI: say which values are allowed
+        from .errors import ConfigError
+
+        raise ConfigError(c.kernel_name, name, f"{name}={value!r} is outside its domain {list(domain)}")
     c.used_config.add(name)
     return value
 
@@ -543,8 +571,15 @@ def _index_values(h, idx: Sequence[Any]) -> list[Value | int]:
     return out
 
 
-def load(h, *idx: Any, mask: Value | None = None, other: int | float = 0) -> Value:
-    """Gather-load `h[idx...]`: the result has the union of the indices' axes, masked by theirs."""
+INT4_UNPACKS = ("shift", "bfe")
+
+
+def load(h, *idx: Any, mask: Value | None = None, other: int | float = 0, unpack: str = "shift") -> Value:
+    """Gather-load `h[idx...]`: the result has the union of the indices' axes, masked by theirs.
+
+    For packed int4 operands `unpack` picks the lowering: "shift" extracts the eight nibbles with one
+    vector of shift amounts (2 shifts per element); "bfe" extracts each nibble with constant shifts
+    (one sign-extending bit-field extract per element on AMD) and interleaves them with tl.join."""
     c = ctx()
     ivals = _index_values(h, idx)
     vals = [v for v in ivals if isinstance(v, Value)]
@@ -560,8 +595,10 @@ def load(h, *idx: Any, mask: Value | None = None, other: int | float = 0) -> Val
                           f"must be a multiple of 8, got {last.range_info.size}", h.name)
         if mask is not None and last.axes[0] in mask.axes:
             raise c.error(f"{h.name}: an extra mask over the packed axis is not supported", h.name)
+        if unpack not in INT4_UNPACKS:
+            raise c.error(f"{h.name}: unknown int4 unpack {unpack!r}; known: {', '.join(INT4_UNPACKS)}", h.name)
         out = Value(T.i8, axes, masks, hint=h.name)
-        c.add("load_int4", [h, ivals, masks, mask], {"pack": h.spec.dtype}, [out])
+        c.add("load_int4", [h, ivals, masks, mask], {"pack": h.spec.dtype, "unpack": unpack}, [out])
         return out
     out = Value(h.dtype, axes, masks, hint=h.name)
     c.add("load", [h, ivals, masks, mask], {"other": other}, [out])
@@ -610,7 +647,8 @@ def _install_operand_methods() -> None:
 
     OperandHandle.__getitem__ = getitem  # type: ignore[attr-defined]
     OperandHandle.__setitem__ = setitem  # type: ignore[attr-defined]
-    OperandHandle.load = lambda self, *idx, mask=None, other=0: load(self, *idx, mask=mask, other=other)  # type: ignore[attr-defined]
+    OperandHandle.load = lambda self, *idx, mask=None, other=0, unpack="shift": load(  # type: ignore[attr-defined]
+        self, *idx, mask=mask, other=other, unpack=unpack)
     OperandHandle.store = lambda self, *idx, value, mask=None: store(self, idx, value, mask)  # type: ignore[attr-defined]
     OperandHandle.atomic_add = lambda self, *idx, value, mask=None: atomic_add(self, idx, value, mask)  # type: ignore[attr-defined]
 

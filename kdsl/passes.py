@@ -82,6 +82,10 @@ def legalize(root: Block, target: Target) -> None:
                 n.attrs["lower"] = "rtz_bits"
             elif interp and dt is T.bf16 and src is not T.bf16:
                 n.attrs["lower"] = "rne_bits"  # the interpreter truncates; emulate nearest-even
+            elif interp and dt.is_fp8 and src.is_float and not src.is_fp8:
+                # the interpreter's float -> fp8 cast rounds ties away and loses the carry into the
+                # exponent (124.3 -> 64); round to the fp8 grid in f32 first, then cast exactly
+                n.attrs["lower"] = "rne_fp8_bits"
             else:
                 n.attrs["lower"] = "plain"
         elif n.op in ("binary", "unary", "minmax", "where"):

@@ -19,13 +19,22 @@ def load_module(spec: str) -> None:
         if not os.path.exists(path):
             raise SystemExit(f"kdsl: no such kernel file: {spec}")
         name = os.path.splitext(os.path.basename(path))[0]
+        loaded = sys.modules.get(name)
+        if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == path:
+            return  # already imported (a second discover() in one process): do not re-register
         sys.path.insert(0, os.path.dirname(path))
         mod_spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(mod_spec)
         sys.modules[name] = mod
         mod_spec.loader.exec_module(mod)
     else:
-        importlib.import_module(spec)
+        mod = importlib.import_module(spec)
+        if hasattr(mod, "__path__"):  # a package: its kernels live in its submodules
+            import pkgutil
+
+            for info in pkgutil.iter_modules(mod.__path__, prefix=spec + "."):
+                if not info.name.rsplit(".", 1)[-1].startswith("_") and info.name != spec + ".demo":
+                    importlib.import_module(info.name)
 
 
 def discover(extra: list[str] | None = None) -> dict[str, Kernel]:

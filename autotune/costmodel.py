@@ -1,0 +1,140 @@
+"""Static cost model: a predicted run time from the AOT report and the target's data sheet.
+
+Simple on purpose, every term visible in `predict(...)["terms"]`:
+
+* programs  P = product of the specialization's grid at the problem dims (M included).
+* per-wave cycles: main-loop matrix instructions x loop trips x cycles per matrix instruction,
+  plus the matrix instructions outside the loop once (wgmma fence/commit/wait count 0 cycles); likewise VALU x `valu_cycles`. With two or
+  more waves resident per SIMD, MFMA and VALU of different waves overlap (max); with one they add.
+* compute time: the CU's SIMDs share the work of ceil(P / CUs) programs, but a round of resident
+  programs cannot finish faster than one wave's latency; rounds (wave quantization) =
+  ceil(P / (CUs x resident programs per CU)), resident = occupancy x SIMDs / warps per program.
+* memory time: the kernel's UNIQUE bytes (problem model) over HBM bandwidth, derated when too few
+  waves are in flight to saturate it (assumption: one wave per SIMD over the chip saturates HBM).
+  Programs that differ only in their M tile re-read the same weights (L2 hits), so for the
+  weight share of the bytes they count as one stream; only the M-dependent share (activations,
+  outputs) gains parallelism from splitting M.
+* predicted = max(compute, memory). Spilling configs are charged 2x and ranked after all clean
+  ones; configs that failed (compile error, LDS overflow) rank last with an infinite time.
+* roofline floor = max(bytes / bandwidth, flops / peak[operand type]); the fraction recorded is
+  floor / predicted (1.0 = at the roofline).
+
+Matrix instruction cycles are DERIVED, not tabulated by hand: MACs per wave of the instruction
+(from its MxNxK shape; wgmma's MACs split over the 4 warps of a warpgroup) divided by the per-SIMD
+MAC rate implied by the data-sheet peak for its operand type:
+    macs_per_cycle_per_simd = peak_tflops[type] * 1e12 / 2 / (CUs * SIMDs * clock).
+On gfx942 this gives v_mfma_f32_32x32x8_bf16 = 32 cycles, v_mfma_f32_16x16x16_bf16 = 16,
+v_mfma_i32_32x32x16_i8 = 32, v_mfma_i32_16x16x32_i8 = 16 (i.e. 8 / 4 passes of 4 cycles as listed in
+the AMD CDNA3 ISA guide's MFMA table), so the model's peak equals the data-sheet peak by construction.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+_AMD_MM = re.compile(r"^v_(?:s)?mfma(?:_scale)?_(\w+?)_(\d+)x(\d+)x(\d+)(\w*)$")
+_WGMMA = re.compile(r"m(\d+)n(\d+)k(\d+)")
+_MMA = re.compile(r"m(\d+)n(\d+)k(\d+)")
+
+SPILL_FACTOR = 2.0
+
+
+def _operand_type(mnemonic: str) -> str:
+    s = mnemonic.lower()
+    if re.search(r"(?:^|_|\.)(?:i8|s8|u8)(?:$|_|\.)|_i8$|xi8", s) or s.startswith("v_mfma_i32"):
+        return "i8"
+    if "fp8" in s or "bf8" in s or "e4m3" in s or "e5m2" in s or "f8f6f4" in s:
+        return "fp8"
+    if "bf16" in s:
+        return "bf16"
+    if "f16" in s:
+        return "f16"
+    return "f32"
+
+
+def matrix_cycles(mnemonic: str, target: Any) -> float:
+    """Cycles one wave's matrix instruction occupies its SIMD's matrix unit (see module doc)."""
+    dt = _operand_type(mnemonic)
+    peak = target.peak_tflops.get(dt, target.peak_tflops.get("bf16"))
+    rate = peak * 1e12 / 2.0 / (target.cu_count * target.simd_per_cu * target.clock_ghz * 1e9)
+    m = _AMD_MM.match(mnemonic)
+    if m:
+        return int(m.group(2)) * int(m.group(3)) * int(m.group(4)) / rate
+    if mnemonic.startswith("wgmma"):
+        m = _WGMMA.search(mnemonic)
+        if not m:
+            return 0.0  # wgmma.fence / commit_group / wait_group: synchronization, no math
+        return int(m.group(1)) * int(m.group(2)) * int(m.group(3)) / 4 / rate
+    m = _MMA.search(mnemonic)
+    if m:
+        return int(m.group(1)) * int(m.group(2)) * int(m.group(3)) / rate
+    return 16.0  # unknown shape: a 16-cycle guess
+
+
+def cycle_table(target: Any, mnemonics: list[str]) -> dict[str, float]:
+    return {mn: round(matrix_cycles(mn, target), 2) for mn in mnemonics}
+
+
+def roofline_floor_s(target: Any, nbytes: float, flops: float, peak_dtype: str) -> tuple[float, str]:
+    mem = nbytes / (target.hbm_gbps * 1e9)
+    peak = target.peak_tflops.get(peak_dtype, target.peak_tflops["bf16"])
+    comp = flops / (peak * 1e12)
+    return (mem, "memory") if mem >= comp else (comp, "compute")
+
+
+def predict(report: dict[str, Any], target: Any, programs: int, iters: int, nbytes: float, flops: float,
+            peak_dtype: str, m_tiles: int = 1, m_bytes_fraction: float = 1.0) -> dict[str, Any]:
+    """Predicted time (µs) of one launch, the roofline floor and the terms behind them.
+    `m_tiles`: programs along M; `m_bytes_fraction`: the share of bytes that grows with M (rows of
+    activations and outputs); the rest (weights) is re-read by every M tile."""
+    floor_s, bound = roofline_floor_s(target, nbytes, flops, peak_dtype)
+    out: dict[str, Any] = {"programs": programs, "loop_iters": iters, "floor_us": floor_s * 1e6, "bound": bound}
+    if not report.get("ok", False):
+        out.update(predicted_us=math.inf, roofline_fraction=0.0, penalty="failed: " + "; ".join(report.get("errors", []))[:200])
+        return out
+    hist = report.get("matrix_instructions", {}) or {}
+    n_mm = sum(hist.values())
+    hist_cyc = sum(matrix_cycles(k, target) * v for k, v in hist.items())
+    n_math = sum(v for k, v in hist.items() if matrix_cycles(k, target) > 0)
+    avg = hist_cyc / n_math if n_math else 0.0
+    mm_loop = report.get("matrix_in_main_loop", 0)
+    valu_loop = report.get("valu_in_main_loop", 0)
+    loop_share = min(1.0, mm_loop / n_mm) if n_mm else 0.0  # of the kernel's matrix work, in the main loop
+    mm_cyc = (loop_share * iters + (1.0 - loop_share)) * hist_cyc
+    valu_cyc = (valu_loop * iters + max(0, report.get("valu_instructions", 0) - valu_loop)) * target.valu_cycles
+    nw = max(1, int(report.get("num_warps", 4)))
+    occ = max(1, int(report.get("occupancy", 1)))
+    wave_cyc = max(mm_cyc, valu_cyc) if occ >= 2 else mm_cyc + valu_cyc
+    resident = max(1, (occ * target.simd_per_cu) // nw)
+    per_cu = math.ceil(programs / target.cu_count)
+    rounds = math.ceil(programs / (target.cu_count * resident))
+    simd_share = per_cu * nw * wave_cyc / target.simd_per_cu
+    compute_cyc = max(simd_share, rounds * wave_cyc)
+    compute_s = compute_cyc / (target.clock_ghz * 1e9)
+    # programs that differ only along M stream the same weights: towards HBM they add parallelism
+    # only for the M-dependent share of the bytes
+    streams = programs * m_bytes_fraction + (programs / max(1, m_tiles)) * (1.0 - m_bytes_fraction)
+    in_flight = min(streams, target.cu_count * resident) * nw
+    saturation = min(1.0, in_flight / (target.cu_count * target.simd_per_cu))
+    memory_s = nbytes / (target.hbm_gbps * 1e9 * saturation)
+    t = max(compute_s, memory_s)
+    spills = int(report.get("spills", 0) or 0) + (1 if report.get("scratch_bytes", 0) else 0)
+    penalty = ""
+    if spills:
+        t *= SPILL_FACTOR
+        penalty = f"spills ({report.get('spills', 0)} registers): x{SPILL_FACTOR}"
+    out.update(predicted_us=t * 1e6, roofline_fraction=min(1.0, floor_s / t) if t > 0 else 0.0, penalty=penalty,
+               terms={"matrix_cycles_per_wave": round(mm_cyc, 1), "valu_cycles_per_wave": round(valu_cyc, 1),
+                      "cycles_per_mfma": round(avg, 2), "resident_programs_per_cu": resident, "rounds": rounds,
+                      "compute_us": round(compute_s * 1e6, 4), "memory_us": round(memory_s * 1e6, 4),
+                      "hbm_saturation": round(saturation, 3), "m_tiles": m_tiles,
+                      "m_bytes_fraction": round(m_bytes_fraction, 3)})
+    return out
+
+
+def rank_key(fig: dict[str, Any]) -> tuple[int, float]:
+    """Sort key: clean configs by time, then spilling ones, then failed ones."""
+    t = fig.get("predicted_us", math.inf)
+    cls = 2 if not math.isfinite(t) else (1 if fig.get("penalty") else 0)
+    return (cls, t)

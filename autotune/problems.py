@@ -1,0 +1,178 @@
+"""Problem models: what the tuner needs to know of an op beyond its kernel: which dims form the
+problem key (and in what order), which dim is M, the bytes it must move and the flops it does
+(for the roofline and the cost model's memory time), the operand type that sets its matrix peak,
+and the trip count of its main loop.
+
+Models are matched by kernel-name pattern (fnmatch). A kernel without a model gets a generic one:
+all non-M dims in signature order, bytes from its operand dtypes and shapes, no flops.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+Problem = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ProblemModel:
+    pattern: str
+    key_dims: tuple[str, ...] = ()  # problem key order; () = the kernel's dims in signature order
+    m_dim: str = "M"
+    peak_dtype: str = "bf16"  # which target.peak_tflops entry bounds its matrix work
+    bytes_fn: Callable[[Problem, int], float] | None = None
+    flops_fn: Callable[[Problem, int], float] | None = None
+    loop_dim: str | None = "K"  # the dim its main loop walks
+    loop_block: str | None = "BLOCK_K"  # the tunable that sets the loop step
+    reference: Callable[..., Any] | None = None  # torch reference over the kernel's inputs (measured mode)
+    derived: Callable[[Problem], Problem] | None = None  # dims computed from the key dims (e.g. G = K / 32)
+    loops: int = 1  # main loops of that trip count (a two-pass kernel walks K twice)
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _gemm(wb: float, ab: float, peak: str, group: int = 0) -> tuple[Callable, Callable]:
+    def nbytes(p: Problem, m: int) -> float:
+        n, k = p["N"], p["K"]
+        b = n * k * wb + m * k * ab + m * n * 2 + 4 * n + 4 * m  # weights, acts, bf16 out, scales
+        if group:
+            b += n * (k // group) * 2  # group scales (bf16)
+        return b
+
+    def flops(p: Problem, m: int) -> float:
+        return 2.0 * m * p["N"] * p["K"]
+
+    return nbytes, flops
+
+
+def _quant_bytes(p: Problem, m: int) -> float:
+    k = p.get("K", p.get("N", 0))
+    return m * k * (2 + 1) + 4 * m  # bf16 in, 8-bit out, one f32 scale per row
+
+
+def _quant_flops(p: Problem, m: int) -> float:
+    k = p.get("K", p.get("N", 0))
+    return 4.0 * m * k
+
+
+MODELS: list[ProblemModel] = [
+    ProblemModel("gemm_bf16*", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],
+                 flops_fn=_gemm(2, 2, "bf16")[1]),
+    ProblemModel("gemm_fp8*", ("N", "K"), peak_dtype="fp8", bytes_fn=_gemm(1, 1, "fp8")[0],
+                 flops_fn=_gemm(1, 1, "fp8")[1]),
+    ProblemModel("gemm_w8a8*", ("N", "K"), peak_dtype="i8", bytes_fn=_gemm(1, 1, "i8")[0],
+                 flops_fn=_gemm(1, 1, "i8")[1]),
+    ProblemModel("gemm_w4a8*", ("N", "K"), peak_dtype="i8", bytes_fn=_gemm(0.5, 1, "i8")[0],
+                 flops_fn=_gemm(0.5, 1, "i8")[1]),
+    ProblemModel("gemm_w4a16*", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(0.5, 2, "bf16", 32)[0],
+                 flops_fn=_gemm(0.5, 2, "bf16", 32)[1], derived=lambda p: {"G": p["K"] // 32}),
+    # two passes over the row: absmax, then quantize
+    ProblemModel("quant_per_token*", ("K",), peak_dtype="f32", bytes_fn=_quant_bytes, flops_fn=_quant_flops,
+                 loops=2),
+]
+
+
+def _generic_bytes(kernel: Any) -> Callable[[Problem, int], float]:
+    def nbytes(p: Problem, m: int) -> float:
+        from kdsl.targets import GFX942, resolve_dtype
+
+        dims = {**p, "M": m}
+        total = 0.0
+        for op in kernel.signature.operands.values():
+            n = 1
+            for d in op.dims:
+                n *= int(dims.get(d, 1))
+            dt = op.dtype
+            if hasattr(dt, "pack"):
+                total += n * 0.5
+            else:
+                total += n * resolve_dtype(dt, GFX942).torch.itemsize
+        return total
+
+    return nbytes
+
+
+def model_for(kernel: Any) -> ProblemModel:
+    """The problem model of a kdsl kernel (or kernel name)."""
+    name = kernel if isinstance(kernel, str) else kernel.name
+    for pm in MODELS:
+        if fnmatch.fnmatchcase(name, pm.pattern):
+            if pm.bytes_fn is None and not isinstance(kernel, str):
+                import dataclasses
+
+                return dataclasses.replace(pm, bytes_fn=_generic_bytes(kernel))
+            return pm
+    bytes_fn = None if isinstance(kernel, str) else _generic_bytes(kernel)
+    return ProblemModel("*", (), bytes_fn=bytes_fn, flops_fn=lambda p, m: 0.0, peak_dtype="bf16")
+
+
+def key_dims(kernel: Any, problem: Problem) -> list[str]:
+    """The problem dims of the key, in canonical order (M excluded). A model that names its key
+    dims keys on those alone (the others are derived or irrelevant)."""
+    pm = model_for(kernel)
+    order = list(pm.key_dims)
+    if order:
+        return [d for d in order if d in problem]
+    if not isinstance(kernel, str):
+        order += [d for d in kernel.signature.all_dims() if d not in order]
+    rest = sorted(d for d in problem if d not in order)
+    return [d for d in order + rest if d in problem and d != pm.m_dim]
+
+
+def problem_key(kernel: Any, problem: Problem) -> str:
+    """e.g. N2048_K7168: the file-name key of a problem (M is the bucket, not part of it)."""
+    dims = key_dims(kernel, problem)
+    if not dims:
+        return "default"
+    return "_".join(f"{d}{problem[d]}" for d in dims)
+
+
+def strip_m(kernel: Any, problem: Problem) -> Problem:
+    """The problem as keyed: M dropped; for a model with key dims, only those."""
+    pm = model_for(kernel)
+    if pm.key_dims:
+        return {k: problem[k] for k in pm.key_dims if k in problem}
+    return {k: v for k, v in problem.items() if k != pm.m_dim}
+
+
+def required_dims(kernel: Any) -> list[str]:
+    """Dims a problem must give for `kernel` (M and derived dims excluded)."""
+    pm = model_for(kernel)
+    if pm.key_dims:
+        return list(pm.key_dims)
+    return [d for d in kernel.signature.all_dims() if d != pm.m_dim]
+
+
+def full_dims(kernel: Any, problem: Problem, m: int) -> Problem:
+    """All dims of a launch: the problem, its derived dims and M."""
+    pm = model_for(kernel)
+    out = dict(problem)
+    if pm.derived:
+        out.update(pm.derived(problem))
+    out[pm.m_dim] = m
+    return out
+
+
+def loop_iters(kernel: Any, problem: Problem, config: dict[str, Any]) -> int:
+    """Trip count of the main loop for `config` (1 when the model names no loop)."""
+    pm = model_for(kernel)
+    if pm.loop_dim and pm.loop_block and pm.loop_dim in problem and pm.loop_block in config:
+        return max(1, math.ceil(problem[pm.loop_dim] / config[pm.loop_block])) * pm.loops
+    return 1
+
+
+def parse_problem(text: str) -> Problem:
+    """`N=2048,K=7168` -> {"N": 2048, "K": 7168} (values that are not ints stay strings)."""
+    out: Problem = {}
+    for part in filter(None, (s.strip() for s in text.split(","))):
+        if "=" not in part:
+            raise ValueError(f"problem item {part!r} is not NAME=VALUE")
+        k, v = part.split("=", 1)
+        k, v = k.strip(), v.strip()
+        try:
+            out[k] = int(v)
+        except ValueError:
+            out[k] = v
+    return out

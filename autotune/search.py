@@ -1,0 +1,247 @@
+"""The tuner: per M bucket, build the pruned space, AOT-compile candidates in parallel (reports
+shared between buckets that compile to the same code), rank them (static cost model, or
+measurement on a GPU), and write one JSON file atomically.
+
+Reproducible for a seed: the candidate set is a seeded permutation cut at `max_candidates`; the
+time budget only stops a run early (the provenance then says `budget_hit: true`).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import datetime
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+from typing import Any
+
+from kdsl.targets import Target, get_target
+
+from . import costmodel
+from .buckets import ANY, bucket_for, bucket_m, bucket_order, parse_bucket
+from .problems import full_dims, loop_iters, model_for, problem_key, required_dims, strip_m
+from .space import build
+from .store import SCHEMA_VERSION, file_path, kernel_source_hash, load_file, save_file
+
+DEFAULT_MAX_CANDIDATES = 32
+
+
+def _worker_report(name: str, arch: str, config: dict[str, Any], problem: dict[str, Any]) -> dict[str, Any]:
+    """Child process: compile one candidate and return its report as a dict (never raises)."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    from kdsl import aot
+    from kdsl.kernel import REGISTRY
+
+    try:
+        return aot.report(REGISTRY[name], arch, config, problem).to_dict()
+    except Exception as e:  # noqa: BLE001 - a candidate failing must not stop the search
+        return {"ok": False, "errors": [f"{type(e).__name__}: {e}"[:300]], "config": config}
+
+
+# M enters the compiled code only as the `M == 1` constant and a divisibility-by-16 hint; both
+# barely move the resource report, so each candidate is compiled once, at this M, for all buckets.
+REPORT_M = 16
+
+
+def _run_job(name: str, arch: str, config: dict[str, Any], problem: dict[str, Any]) -> dict[str, Any]:
+    return _worker_report(name, arch, config, problem)  # looked up at call time (tests spy on it)
+
+
+def _sig_class(m: int) -> int:
+    return REPORT_M
+
+
+def _cfg_key(cfg: dict[str, Any]) -> tuple:
+    return tuple(sorted(cfg.items()))
+
+
+def target_identity(target: Target, measured: bool) -> dict[str, Any]:
+    import triton
+
+    dev = target.device_names[0] if target.device_names else target.name
+    if measured:
+        import torch
+
+        dev = torch.cuda.get_device_name(0)
+    else:
+        dev += " (data-sheet figures; static model)"
+    return {"arch": target.name, "device_name": dev, "cu_count": target.cu_count,
+            "triton_version": triton.__version__}
+
+
+def parse_ms(items: list[Any]) -> list[int | str]:
+    """M values or buckets (ints, "any") -> sorted distinct buckets."""
+    out = set()
+    for it in items:
+        if it == ANY:
+            out.add(ANY)
+        else:
+            out.add(bucket_for(int(it)))
+    return sorted(out, key=bucket_order)
+
+
+def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any], mode: str = "static",
+         budget_s: float | None = None, seed: int = 0, out: str | None = None,
+         max_candidates: int | None = DEFAULT_MAX_CANDIDATES, workers: int | None = None,
+         progress: bool = True, write: bool = True) -> tuple[str, dict[str, Any]]:
+    """Tune `kernel` at `problem` for the buckets of `ms`; returns (path, document)."""
+    if mode not in ("static", "measured"):
+        raise ValueError(f"mode must be 'static' or 'measured', got {mode!r}")
+    target = get_target(arch)
+    if target.backend == "interpret":
+        raise ValueError("cannot tune for the interpret target: pass --arch gfx942|gfx950|sm90 (or current on a GPU)")
+    if mode == "measured":
+        from .measure import require_gpu
+
+        require_gpu(target)
+    pm = model_for(kernel)
+    prob = strip_m(kernel, problem)
+    need = [d for d in required_dims(kernel) if d not in prob]
+    if need:
+        raise ValueError(f"problem for kernel {kernel.name} is missing {need} (got {prob}); e.g. --problem "
+                         + ",".join(f"{d}={kernel.example.get(d, 1024)}" for d in need))
+    static = {d: v for d, v in full_dims(kernel, prob, 1).items() if d in kernel.static}
+    buckets = parse_ms(ms)
+    t0 = time.monotonic()
+    deadline = t0 + budget_s if budget_s else None
+    workers = workers or max(1, min(os.cpu_count() or 1, 16))
+
+    spaces = {}
+    for b in buckets:
+        spaces[b] = build(kernel, target, static, bucket_m(b), seed, max_candidates)
+    # unique compiles: (config, signature class of M)
+    # round robin over the buckets, so a budget stop still leaves every bucket candidates
+    jobs: dict[tuple, tuple[dict, dict]] = {}
+    for i in range(max(len(spaces[b].candidates) for b in buckets)):
+        for b in buckets:
+            if i < len(spaces[b].candidates):
+                c = spaces[b].candidates[i]
+                jobs.setdefault((_cfg_key(c), _sig_class(bucket_m(b))), (c, full_dims(kernel, prob, REPORT_M)))
+    reports: dict[tuple, dict[str, Any]] = {}
+    budget_hit = False
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(jobs), file=sys.stderr, desc=f"compile {kernel.name}@{target.name}", unit="cfg")
+        except ImportError:
+            bar = None
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+    ex = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    try:
+        order = list(jobs)
+        futs: dict[cf.Future, tuple] = {}
+        it = iter(order)
+        # keep at most 2 x workers in flight so a budget stop wastes little
+        def submit_next() -> bool:
+            k = next(it, None)
+            if k is None:
+                return False
+            c, p = jobs[k]
+            futs[ex.submit(_run_job, kernel.name, target.name, c, p)] = k
+            return True
+
+        for _ in range(2 * workers):
+            if not submit_next():
+                break
+        while futs:
+            done, _ = cf.wait(list(futs), timeout=1.0, return_when=cf.FIRST_COMPLETED)
+            for f in done:
+                k = futs.pop(f)
+                reports[k] = f.result()
+                if bar:
+                    bar.update(1)
+                if deadline is not None and time.monotonic() > deadline:
+                    budget_hit = True
+                if not budget_hit:
+                    submit_next()
+    except BaseException:
+        ex.shutdown(wait=False, cancel_futures=True)
+        for p in list((getattr(ex, "_processes", None) or {}).values()):
+            p.terminate()
+        raise
+    finally:
+        if bar:
+            bar.close()
+    ex.shutdown(wait=True)
+
+    entries = []
+    for b in buckets:
+        m = bucket_m(b)
+        dims = full_dims(kernel, prob, m)
+        nbytes = pm.bytes_fn(prob, m) if pm.bytes_fn else 0.0
+        flops = pm.flops_fn(prob, m) if pm.flops_fn else 0.0
+        m_frac = 1.0 - (pm.bytes_fn(prob, 0) / nbytes) if pm.bytes_fn and nbytes else 1.0
+        scored = []
+        # its own candidates, plus those compiled for other buckets that lie in its space
+        pool = list(spaces[b].candidates)
+        seen = {_cfg_key(c) for c in pool}
+        for key, (c, _) in jobs.items():
+            if key[0] not in seen and spaces[b].admits(c):
+                pool.append(c)
+                seen.add(key[0])
+        for c in pool:
+            rep = reports.get((_cfg_key(c), _sig_class(m)))
+            if rep is None:
+                continue  # not compiled (budget)
+            sp = kernel.specialize(c, target, static)
+            gs = sp.grid_size(dims)
+            programs = math.prod(gs)
+            m_tiles = math.prod(g for g, e in zip(gs, sp.grid) if e.dim == pm.m_dim) or 1
+            fig = costmodel.predict(rep, target, programs, loop_iters(kernel, dims, sp.config), nbytes, flops,
+                                    pm.peak_dtype, m_tiles, m_frac)
+            fig["resources"] = {k: rep.get(k) for k in ("vgpr", "agpr", "spills", "lds_bytes", "occupancy")}
+            scored.append((costmodel.rank_key(fig), c, fig))
+        if not scored:
+            continue
+        scored.sort(key=lambda s: s[0])
+        if mode == "measured":
+            from .measure import measure_bucket
+
+            best_cfg, fig = measure_bucket(kernel, target, prob, m, [s[1] for s in scored if math.isfinite(s[0][1])],
+                                           pm, seed)
+            fig["predicted_us"] = next(s[2]["predicted_us"] for s in scored if s[1] == best_cfg)
+        else:
+            _, best_cfg, fig = scored[0]
+            if not math.isfinite(fig["predicted_us"]):
+                continue  # nothing compiled cleanly: no entry rather than a bad one
+        sp = kernel.specialize(best_cfg, target, static)
+        fig = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in fig.items()}
+        fig.update(candidates=len(pool), compiled=len(scored),
+                   pruned_before_compile=sum(spaces[b].pruned.values()), m=m)
+        entries.append({"bucket": b, "config": dict(sp.config), "figures": fig})
+
+    doc = {
+        "schema_version": SCHEMA_VERSION, "kernel": kernel.name, "arch": target.name, "problem": prob,
+        "target": target_identity(target, mode == "measured"),
+        "entries": entries,
+        "provenance": {
+            "kernel_source_hash": kernel_source_hash(kernel),
+            "search_space_hash": {str(b): spaces[b].hash for b in buckets},
+            "seed": seed, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "triton_version": target_identity(target, False)["triton_version"], "mode": mode,
+            "max_candidates": max_candidates, "budget_s": budget_s, "budget_hit": budget_hit,
+            "elapsed_s": round(time.monotonic() - t0, 1),
+            "cost_model": "autotune.costmodel v2" if mode == "static" else "measured (CUDA/HIP events)",
+            "problem_key": problem_key(kernel, prob),
+        },
+    }
+    path = os.path.join(out, target.name, os.path.basename(file_path(kernel, target.name, prob))) if out else \
+        file_path(kernel, target.name, prob)
+    if write:
+        if not entries:
+            raise RuntimeError(f"no candidate of {kernel.name} compiled cleanly for {target.name}; nothing written")
+        if os.path.exists(path):
+            try:
+                old = load_file(path)
+                if old["provenance"].get("kernel_source_hash") == doc["provenance"]["kernel_source_hash"]:
+                    have = {parse_bucket(e["bucket"]) for e in entries}
+                    doc["entries"] = entries + [e for e in old["entries"] if parse_bucket(e["bucket"]) not in have]
+            except Exception:  # noqa: BLE001 - a bad old file is simply replaced
+                pass
+        save_file(doc, path)
+    return path, doc

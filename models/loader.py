@@ -1,0 +1,458 @@
+"""Checkpoint loading: sharded safetensors (+ `model.safetensors.index.json`) for the target and drafts.
+
+- Tensor names are normalized: the target's `language_model.` prefix is stripped (other top-level
+  trees, i.e. the vision tower / projector, are skipped), layers >= num_hidden_layers (MTP) are
+  skipped; drafts drop a leading `model.` and read `layers.0.` as `midlayer.`.
+- The format of every linear is detected from its tensors (models.formats) and the weight is put once
+  into the kernels' layout (`QuantLinear`, or a dense tensor). Result keys are `<base>.weight` for
+  every weight (quantized or not), plus the plain tensors (biases, `d2t`, ...) under their names.
+- Tensors are read through safetensors' memory maps one at a time; each read is a single copy, and
+  conversions (fp8 fn -> fnuz, scale folding, optional repack/dtype) are per tensor, so the peak is
+  about one copy of the weights (plus one tensor's temporaries). A shard's map is closed as soon as
+  all its tensors are read.
+- Every expected tensor is checked against the shapes the config implies (errors name the tensor).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+import torch
+from safetensors import safe_open
+
+from models.config import (ConfigError, DeepseekV3Config, Eagle3Config, ModelConfig,
+                           check_draft_matches_target, load_config)
+from models.formats import AUX_SUFFIXES, FormatError, QuantLinear, Weight, build_linear, to_pack
+
+__all__ = ["Checkpoint", "LoadError", "load_checkpoint", "load_target", "load_draft",
+           "expected_shapes", "list_tensors", "stack_experts", "iter_linears"]
+
+LoadError = FormatError   # one error type for bad checkpoints; ConfigError for bad config fields
+
+_ST_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+@dataclass
+class Checkpoint:
+    """A loaded model: its config and weights (`<base>.weight` -> Tensor | QuantLinear, plus plain tensors)."""
+    path: Path
+    config: ModelConfig
+    weights: dict[str, Weight]
+    skipped: list[str] = field(default_factory=list)   # stored names not loaded (vision tower, MTP layers)
+
+    def __getitem__(self, name: str) -> Weight:
+        try:
+            return self.weights[name]
+        except KeyError:
+            raise LoadError(f"tensor {name!r} is not in checkpoint {self.path}") from None
+
+    def get(self, name: str) -> Optional[Weight]:
+        return self.weights.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes if isinstance(w, QuantLinear) else w.numel() * w.element_size()
+                   for w in self.weights.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# file discovery and name normalization
+
+
+def _shard_map(root: Path) -> dict[str, Path]:
+    """stored tensor name -> shard file, from the index when present, else every *.safetensors."""
+    idx = root / "model.safetensors.index.json"
+    if idx.exists():
+        with open(idx) as f:
+            wm = json.load(f).get("weight_map")
+        if not isinstance(wm, dict):
+            raise LoadError(f"{idx}: field 'weight_map' is missing")
+        out = {}
+        for name, fn in wm.items():
+            p = root / fn
+            if not p.exists():
+                raise LoadError(f"{idx}: shard {fn!r} (holding tensor {name!r}) does not exist")
+            out[name] = p
+        return out
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"no *.safetensors files (and no model.safetensors.index.json) in {root}")
+    out = {}
+    for p in files:
+        with safe_open(p, "pt") as f:
+            for k in f.keys():
+                out[k] = p
+    return out
+
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _normalize_target(name: str, cfg: DeepseekV3Config, has_lm_prefix: bool) -> Optional[str]:
+    if has_lm_prefix:
+        if not name.startswith("language_model."):
+            return None          # vision tower, projector, ...
+        name = name[len("language_model."):]
+    m = _LAYER_RE.match(name)
+    if m and int(m.group(1)) >= cfg.num_hidden_layers:
+        return None              # MTP / next-n layers
+    return name
+
+
+def _normalize_draft(name: str) -> Optional[str]:
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name.startswith("layers.0."):
+        name = "midlayer." + name[len("layers.0."):]
+    elif name.startswith("layers."):
+        return None
+    return name
+
+
+def list_tensors(path: Union[str, Path]) -> dict[str, tuple[str, list[int]]]:
+    """Stored name -> (safetensors dtype string, shape), read from headers only (no data)."""
+    root = Path(path)
+    out: dict[str, tuple[str, list[int]]] = {}
+    by_file: dict[Path, list[str]] = {}
+    for n, p in _shard_map(root).items():
+        by_file.setdefault(p, []).append(n)
+    for p, names in by_file.items():
+        with safe_open(p, "pt") as f:
+            for n in names:
+                s = f.get_slice(n)
+                out[n] = (s.get_dtype(), list(s.get_shape()))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# expected tensors
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, Optional[tuple[int, ...]]]:
+    """Logical shape of every tensor the model needs (linears as [out, in]); None marks optional names
+    whose shape is checked elsewhere. Built from the config only: nothing is hard-coded."""
+    if isinstance(cfg, DeepseekV3Config):
+        return _target_shapes(cfg)
+    return _draft_shapes(cfg)
+
+
+def _mla_shapes(p: str, h_in: int, h_out: int, heads: int, q_lora: Optional[int], kv_lora: int,
+                nope: int, rope: int, v: int) -> dict[str, tuple[int, ...]]:
+    s: dict[str, tuple[int, ...]] = {}
+    if q_lora:
+        s[p + "q_a_proj.weight"] = (q_lora, h_in)
+        s[p + "q_a_layernorm.weight"] = (q_lora,)
+        s[p + "q_b_proj.weight"] = (heads * (nope + rope), q_lora)
+    else:
+        s[p + "q_proj.weight"] = (heads * (nope + rope), h_in)
+    s[p + "kv_a_proj_with_mqa.weight"] = (kv_lora + rope, h_in)
+    s[p + "kv_a_layernorm.weight"] = (kv_lora,)
+    s[p + "kv_b_proj.weight"] = (heads * (nope + v), kv_lora)
+    s[p + "o_proj.weight"] = (h_out, heads * v)
+    return s
+
+
+def _mlp_shapes(p: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {p + "gate_proj.weight": (inter, h), p + "up_proj.weight": (inter, h), p + "down_proj.weight": (h, inter)}
+
+
+def _target_shapes(c: DeepseekV3Config) -> dict[str, Optional[tuple[int, ...]]]:
+    H, V = c.hidden_size, c.vocab_size
+    s: dict[str, Optional[tuple[int, ...]]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not c.tie_word_embeddings:
+        s["lm_head.weight"] = (V, H)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        s[p + "input_layernorm.weight"] = (H,)
+        s[p + "post_attention_layernorm.weight"] = (H,)
+        s.update(_mla_shapes(p + "self_attn.", H, H, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank,
+                             c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim))
+        if c.is_moe_layer(i):
+            E = c.n_routed_experts
+            s[p + "mlp.gate.weight"] = (E, H)
+            if c.topk_method == "noaux_tc":
+                s[p + "mlp.gate.e_score_correction_bias"] = (E,)
+            if c.n_shared_experts:
+                s.update(_mlp_shapes(p + "mlp.shared_experts.", H, c.moe_intermediate_size * c.n_shared_experts))
+            for e in range(E):
+                s.update(_mlp_shapes(f"{p}mlp.experts.{e}.", H, c.moe_intermediate_size))
+        else:
+            s.update(_mlp_shapes(p + "mlp.", H, c.intermediate_size))
+    return s
+
+
+def _draft_shapes(c: Eagle3Config) -> dict[str, Optional[tuple[int, ...]]]:
+    H, V = c.hidden_size, c.vocab_size
+    s: dict[str, Optional[tuple[int, ...]]] = {
+        "fc.weight": (H, 3 * c.target_hidden_size), "norm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,), "midlayer.input_layernorm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,),
+    }
+    if not c.tie_word_embeddings:
+        s["lm_head.weight"] = (c.draft_vocab_size, H)
+    if c.draft_vocab_size != V:
+        s["d2t"] = (c.draft_vocab_size,)
+    p = "midlayer.self_attn."
+    if c.kind == "mla":
+        s.update(_mla_shapes(p, 2 * H, H, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank,  # type: ignore[arg-type]
+                             c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim))  # type: ignore[arg-type]
+    else:
+        hd = c.head_dim
+        s[p + "q_proj.weight"] = (c.num_attention_heads * hd, 2 * H)
+        s[p + "k_proj.weight"] = (c.num_key_value_heads * hd, 2 * H)
+        s[p + "v_proj.weight"] = (c.num_key_value_heads * hd, 2 * H)
+        s[p + "o_proj.weight"] = (H, c.num_attention_heads * hd)
+    s.update(_mlp_shapes("midlayer.mlp.", H, c.intermediate_size))
+    return s
+
+
+_DRAFT_OPTIONAL = {"embed_tokens.weight": "(V, H)", "t2d": "(V,)"}
+
+
+def _logical_shape(w: Weight) -> tuple[int, ...]:
+    return tuple(w.shape) if isinstance(w, QuantLinear) else tuple(w.shape)
+
+
+def _validate(cfg: ModelConfig, weights: dict[str, Weight]) -> None:
+    for name, shape in expected_shapes(cfg).items():
+        if name not in weights:
+            raise LoadError(f"tensor {name!r} is missing from the checkpoint (needed by the config)")
+        got = _logical_shape(weights[name])
+        if shape is not None and got != shape:
+            raise LoadError(f"tensor {name!r} has wrong shape {list(got)}; the config implies {list(shape)}")
+    if isinstance(cfg, Eagle3Config):
+        if "embed_tokens.weight" in weights:
+            got = _logical_shape(weights["embed_tokens.weight"])
+            if got != (cfg.vocab_size, cfg.hidden_size):
+                raise LoadError(f"tensor 'embed_tokens.weight' has wrong shape {list(got)}; the config implies "
+                                f"{[cfg.vocab_size, cfg.hidden_size]}")
+        if "d2t" in weights:
+            d2t = weights["d2t"]
+            assert isinstance(d2t, torch.Tensor)
+            if d2t.dtype.is_floating_point or tuple(d2t.shape) != (cfg.draft_vocab_size,):
+                raise LoadError(f"tensor 'd2t' must be integer [{cfg.draft_vocab_size}], got {d2t.dtype} "
+                                f"{list(d2t.shape)}")
+            tgt = torch.arange(cfg.draft_vocab_size) + d2t.long()
+            if bool(((tgt < 0) | (tgt >= cfg.vocab_size)).any()):
+                raise LoadError(f"tensor 'd2t' maps draft ids outside the target vocab [0, {cfg.vocab_size})")
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+
+
+class _Shards:
+    """Open safetensors memory maps lazily; close a shard once all its wanted tensors were read."""
+
+    def __init__(self, where: dict[str, tuple[Path, str]]):
+        self.where = where                     # normalized name -> (file, stored name)
+        self.left: dict[Path, int] = {}
+        for p, _ in where.values():
+            self.left[p] = self.left.get(p, 0) + 1
+        self.open: dict[Path, object] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+
+    def _handle(self, p: Path):
+        h = self.open.get(p)
+        if h is None:
+            h = self.open[p] = safe_open(p, "pt")
+        return h
+
+    def present(self, name: str) -> bool:
+        return name in self.where
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        if name not in self.dtypes:
+            p, stored = self.where[name]
+            s = self._handle(p).get_slice(stored).get_dtype()
+            if s not in _ST_DTYPES:
+                raise LoadError(f"tensor {name!r}: unsupported safetensors dtype {s}")
+            self.dtypes[name] = _ST_DTYPES[s]
+        return self.dtypes[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise LoadError(f"tensor {name!r} is missing")
+        p, stored = self.where[name]
+        t = self._handle(p).get_tensor(stored)
+        self.left[p] -= 1
+        if self.left[p] == 0:
+            self.open.pop(p, None)             # drop the map (its pages) as soon as the shard is done
+        return t
+
+
+def load_checkpoint(path: Union[str, Path], *, arch: Optional[str] = None, dtype: Optional[torch.dtype] = None,
+                    int4_pack: Optional[str] = None, device: Union[str, torch.device] = "cpu",
+                    validate: bool = True) -> Checkpoint:
+    """Load a target or draft checkpoint directory (family from its config.json).
+
+    arch: target GPU arch ("gfx942" converts fp8 weights to e4m3fnuz with doubled scales); None/"cpu"
+    keeps e4m3fn. dtype: convert bf16/f16 tensors by value (f32 tensors such as the routing bias stay
+    f32). int4_pack: repack int4 words to this packing (None keeps the stored one). device: each weight
+    is moved there right after it is built (host peak stays ~ one tensor when loading to a GPU).
+    """
+    root = Path(path)
+    cfg = load_config(root)
+    stored = _shard_map(root)
+    where: dict[str, tuple[Path, str]] = {}
+    skipped: list[str] = []
+    if isinstance(cfg, DeepseekV3Config):
+        has_lm = cfg.tensor_prefix == "language_model." or any(n.startswith("language_model.") for n in stored)
+        norm = lambda n: _normalize_target(n, cfg, has_lm)  # noqa: E731
+    else:
+        norm = _normalize_draft
+    for n, p in stored.items():
+        m = norm(n)
+        if m is None:
+            skipped.append(n)
+            continue
+        if m in where:
+            raise LoadError(f"tensor {m!r} appears twice (stored as {where[m][1]!r} and {n!r})")
+        where[m] = (p, n)
+
+    sh = _Shards(where)
+    q = cfg.quantization
+    qm = q.method if q else None
+    qpack = q.int4_pack if q else None
+    weights: dict[str, Weight] = {}
+    done: set[str] = set()
+
+    # order by shard so each map is closed early
+    names = sorted(where, key=lambda n: (str(where[n][0]), n))
+    bases = []
+    for n in names:
+        if n.endswith(".weight_packed"):
+            bases.append(n[: -len(".weight_packed")])
+        elif n.endswith(".weight"):
+            bases.append(n[: -len(".weight")])
+    for b in bases:
+        if b + ".weight" in weights:
+            continue
+        w, used = build_linear(b, sh.get, sh.present, sh.dtype_of, qm, qpack, arch=arch, int4_pack=int4_pack)
+        if isinstance(w, torch.Tensor) and dtype is not None and w.dtype in (torch.bfloat16, torch.float16):
+            w = w.to(dtype)
+        weights[b + ".weight"] = w.to(device)
+        done.update(used)
+    for n in names:
+        if n in done or n.rsplit(".", 1)[-1] in AUX_SUFFIXES:
+            if n not in done and n.rsplit(".", 1)[0] + ".weight" not in weights:
+                raise LoadError(f"tensor {n!r} has no matching weight")
+            continue
+        t = sh.get(n)
+        if dtype is not None and t.dtype in (torch.bfloat16, torch.float16):
+            t = t.to(dtype)
+        weights[n] = t.to(device)
+    ck = Checkpoint(root, cfg, weights, skipped)
+    if validate:
+        _validate(cfg, weights)
+    return ck
+
+
+def load_target(path: Union[str, Path], **kw) -> Checkpoint:
+    """Load a Kimi-K2.5 / DeepSeek-V3 checkpoint (error if the directory holds a draft)."""
+    ck = load_checkpoint(path, **kw)
+    if not isinstance(ck.config, DeepseekV3Config):
+        raise ConfigError(f"{path}: config 'architectures' names a draft ({ck.config.architecture}), not a target")
+    return ck
+
+
+def load_draft(path: Union[str, Path], target: Optional[DeepseekV3Config] = None, **kw) -> Checkpoint:
+    """Load an EAGLE-3 draft; with `target`, check hidden size (fc input = 3 x target hidden), vocab and
+    aux layer ids against it (errors name the field or tensor)."""
+    cfg = load_config(path)
+    if not isinstance(cfg, Eagle3Config):
+        raise ConfigError(f"{path}: config 'architectures' does not name an EAGLE-3 draft")
+    if target is not None:
+        check_draft_matches_target(cfg, target)
+    ck = load_checkpoint(path, **kw)
+    if target is not None:
+        fc = ck["fc.weight"]
+        if _logical_shape(fc)[1] != 3 * target.hidden_size:
+            raise LoadError(f"tensor 'fc.weight' has input width {_logical_shape(fc)[1]}; the target's "
+                            f"hidden_size {target.hidden_size} needs 3 x {target.hidden_size}")
+        if "embed_tokens.weight" in ck and _logical_shape(ck["embed_tokens.weight"])[0] != target.vocab_size:
+            raise LoadError("tensor 'embed_tokens.weight' rows do not match the target 'vocab_size' "
+                            f"{target.vocab_size}")
+    return ck
+
+
+def iter_linears(ck: Checkpoint) -> Iterable[tuple[str, Weight]]:
+    """(name, weight) for every 2-D weight (dense or quantized)."""
+    for n, w in ck.weights.items():
+        if isinstance(w, QuantLinear) or (n.endswith(".weight") and w.dim() == 2):
+            yield n, w
+
+
+_MOE_FMT = {"compressed-tensors": ("w4a16", "ct"), "quark-w4a8": ("w4a8", "quark_reorder"),
+            "quark-int4": ("w4a8", "quark_reorder")}
+
+
+def stack_experts(ck: Checkpoint, layer: int, pop: bool = True) -> dict[str, object]:
+    """Stack layer `layer`'s routed experts into the fused-MoE layout (ops.moe.MoEWeights fields):
+    {"fmt", "w13" [E, 2I, K'] (gate rows then up rows), "s13", "w2" [E, H, I'], "s2"}.
+
+    fmt "w4a16": compressed-tensors int4 ("ct" words, bf16 group scales [E, N, K/32]);
+    fmt "w4a8": Quark int4 per-channel, repacked to "quark_reorder" if stored otherwise, f32 [E, N];
+    fmt "bf16": dense experts converted to bf16. With pop=True the per-expert entries leave
+    `ck.weights` as they are copied, so the extra memory is about one layer's experts.
+    Use as `MoEWeights(**stack_experts(ck, i))`.
+    """
+    cfg = ck.config
+    if not isinstance(cfg, DeepseekV3Config) or not cfg.is_moe_layer(layer):
+        raise LoadError(f"layer {layer} is not a MoE layer of this checkpoint")
+    p = f"model.layers.{layer}.mlp.experts."
+    E = cfg.n_routed_experts
+    first = ck[f"{p}0.gate_proj.weight"]
+    if isinstance(first, QuantLinear):
+        if first.kind != "int4" or first.source not in _MOE_FMT:
+            raise LoadError(f"tensor '{p}0.gate_proj.weight': {first.source} experts have no fused-MoE format")
+        fmt, pack = _MOE_FMT[first.source]
+    else:
+        fmt, pack = "bf16", None
+
+    def take(name: str) -> Weight:
+        w = ck.weights.pop(name) if pop else ck[name]
+        if w is None:
+            raise LoadError(f"tensor {name!r} is missing")
+        if fmt == "bf16":
+            if isinstance(w, QuantLinear):
+                raise LoadError(f"tensor {name!r} is quantized but expert 0 is dense")
+            return w.to(torch.bfloat16)
+        if not isinstance(w, QuantLinear) or _MOE_FMT.get(w.source, (None,))[0] != fmt:
+            raise LoadError(f"tensor {name!r} is not in the same format as expert 0 ({fmt})")
+        return to_pack(w, pack) if w.pack != pack else w
+
+    out: dict[str, object] = {"fmt": fmt}
+    for key, parts in (("13", ("gate_proj", "up_proj")), ("2", ("down_proj",))):
+        ws, ss = None, None
+        for e in range(E):
+            rows = [take(f"{p}{e}.{nm}.weight") for nm in parts]
+            if fmt == "bf16":
+                t = torch.cat(rows, 0) if len(rows) > 1 else rows[0]
+                if ws is None:
+                    ws = torch.empty((E, *t.shape), dtype=torch.bfloat16, device=t.device)
+                ws[e] = t
+            else:
+                t = torch.cat([r.packed for r in rows], 0) if len(rows) > 1 else rows[0].packed
+                s = torch.cat([r.scale for r in rows], 0) if len(rows) > 1 else rows[0].scale
+                if ws is None:
+                    ws = torch.empty((E, *t.shape), dtype=t.dtype, device=t.device)
+                    ss = torch.empty((E, *s.shape), dtype=s.dtype, device=s.device)
+                if tuple(t.shape) != tuple(ws.shape[1:]) or tuple(s.shape) != tuple(ss.shape[1:]):
+                    raise LoadError(f"tensor '{p}{e}.{parts[0]}.weight' has a different shape from expert 0")
+                ws[e] = t
+                ss[e] = s
+            del rows
+        out["w" + key] = ws
+        out["s" + key] = ss
+    return out

@@ -1,0 +1,132 @@
+"""Causal variable-length FMHA prefill (MLA prefill over decompressed K/V, or plain MHA/GQA), in kdsl.
+
+Layout: packed tokens of B sequences, cu_seqlens [B+1] int32 (sequence b is rows
+cu[b]..cu[b+1]); q [T, H, DA+DB], k [T, KVH, DA+DB], v [T, KVH, DV], out [T, H, DV] bf16.
+For MLA the qk head dim 192 is not a power of two, so it is handled as two dots, DA=128 (nope)
+and DB=64 (rope); DB=0 gives a single dot. fp32 softmax and accumulation; the bf16 output is
+rounded to nearest even, or toward zero when the config sets RTZ=1 (to match engines that
+truncate).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import kdsl as kd
+from ops._common import config_for
+from ops.mla import LOG2E, NEG_BIG
+
+_EX = {"T": 4096, "H": 64, "KVH": 64, "DQK": 192, "DA": 128, "DB": 64, "DV": 128, "B1": 2, "B": 1, "MAXLEN": 4096}
+_CHECKS = [
+    ("q", lambda d: d["DQK"] == d["DA"] + d["DB"], "qk head dim must equal DA + DB"),
+    ("q", lambda d: d["H"] % d["KVH"] == 0, "q heads must be a multiple of kv heads"),
+    ("cu_seqlens", lambda d: d["B1"] == d["B"] + 1, "cu_seqlens must have B + 1 entries"),
+]
+
+
+@kd.kernel(static=("DA", "DB", "DV"), example=_EX, checks=_CHECKS)
+def fmha_prefill(q: kd.In["T", "H", "DQK", kd.bf16], k: kd.In["T", "KVH", "DQK", kd.bf16],
+                 v: kd.In["T", "KVH", "DV", kd.bf16], cu_seqlens: kd.In["B1", kd.i32],
+                 out: kd.Out["T", "H", "DV", kd.bf16], sm_scale: kd.Scalar[kd.f32],
+                 B: kd.Dim, MAXLEN: kd.Dim, DA: kd.Dim, DB: kd.Dim):
+    """Causal varlen flash attention: one program per (sequence, head, BLOCK_M query rows)."""
+    b, h, i = kd.grid(kd.each("B"), kd.each("H"), kd.tile("MAXLEN", "BLOCK_M", domain=(16, 32, 64, 128), default=64))
+    # default 64x16: 0 spills on gfx942/gfx950 (64x32 spills 1/3 VGPRs; 32x64 spills 64)
+    BN = kd.tunable("BLOCK_N", (16, 32, 64, 128), 16, "keys per inner step")
+    rtz = kd.tunable("RTZ", (0, 1), 0, "1: round the bf16 output toward zero instead of to nearest even")
+    s0 = cu_seqlens[b]
+    n = cu_seqlens[b + 1] - s0
+    first = kd.min(i, axis=i)
+    kd.exit_if(first >= n)
+    kvh = h // (kd.dim("H") // kd.dim("KVH"))
+    DAs = kd.static("DA")
+    da = kd.full_range("DA")
+    dv = kd.full_range("DV")
+    rows = i < n
+    qa = q.load(s0 + i, h, da, mask=rows)
+    qb = None
+    if kd.static("DB"):
+        db = kd.full_range("DB")
+        qb = q.load(s0 + i, h, db + DAs, mask=rows)
+    stop = kd.minimum(n, kd.max(i, axis=i) + 1)
+    qk_scale = sm_scale * LOG2E
+
+    def step(j, m_i, l_i, acc):
+        s = kd.dot(qa, k[s0 + j, kvh, da])
+        if qb is not None:
+            s = s + kd.dot(qb, k[s0 + j, kvh, db + DAs])
+        s = kd.where((j <= i) & (j < stop), s * qk_scale, float("-inf"))
+        m_new = kd.maximum(m_i, kd.max(s, axis=j))
+        alpha = kd.exp2(m_i - m_new)
+        p = kd.exp2(s - m_new)
+        l_new = l_i * alpha + kd.sum(p, axis=j)
+        return m_new, l_new, acc * alpha + kd.dot(p.to(kd.bf16), v[s0 + j, kvh, dv])
+
+    m_i, l_i, acc = kd.fold(kd.tiles(start=0, stop=stop, block=BN, label="N"),
+                            (kd.full((i,), NEG_BIG, kd.f32), kd.zeros((i,), kd.f32), kd.zeros((i, dv), kd.f32)), step)
+    o = acc / kd.where(l_i > 0, l_i, 1.0)
+    o = o.to(kd.bf16, rounding="rtz") if rtz else o.to(kd.bf16)
+    out.store(s0 + i, h, dv, value=o, mask=rows)
+
+
+# ---------------------------------------------------------------------------------------------
+
+def fmha_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, sm_scale: float
+             ) -> torch.Tensor:
+    """float64 causal varlen attention (GQA by repeating kv heads)."""
+    T, H, _ = q.shape
+    G = H // k.shape[1]
+    out = torch.zeros(T, H, v.shape[-1], dtype=torch.float64)
+    cu = cu_seqlens.tolist()
+    for b in range(len(cu) - 1):
+        a, e = cu[b], cu[b + 1]
+        if e == a:
+            continue
+        qq = q[a:e].double()
+        kk = k[a:e].double().repeat_interleave(G, 1)
+        vv = v[a:e].double().repeat_interleave(G, 1)
+        s = torch.einsum("ihd,jhd->hij", qq, kk) * sm_scale
+        n = e - a
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        out[a:e] = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv)
+    return out
+
+
+def fmha_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                        sm_scale: float, rope_dim: int | None = None, max_seqlen: int | None = None,
+                        rtz: bool = False, backend: str = "triton", config: dict[str, Any] | None = None
+                        ) -> torch.Tensor:
+    """Causal prefill over packed sequences -> out [T, H, DV] bf16.
+
+    `rope_dim` is the second part of the qk head dim (64 for MLA's 128+64; None: 64 when the
+    head dim is not a power of two, else 0). `rtz` selects round-toward-zero for the bf16 output
+    unless `config` sets RTZ itself."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError("fmha_prefill: q, k, v must be [T, heads, dim]")
+    T, H, DQK = q.shape
+    if k.shape[0] != T or v.shape[0] != T or k.shape[2] != DQK or v.shape[1] != k.shape[1]:
+        raise ValueError(f"fmha_prefill: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if H % k.shape[1]:
+        raise ValueError(f"fmha_prefill: q heads {H} must be a multiple of kv heads {k.shape[1]}")
+    if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T or \
+            bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError(f"fmha_prefill: cu_seqlens must rise from 0 to T={T}, got {cu_seqlens.tolist()}")
+    if backend == "torch":
+        return fmha_ref(q, k, v, cu_seqlens, sm_scale).to(torch.bfloat16)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    if rope_dim is None:
+        rope_dim = 0 if DQK & (DQK - 1) == 0 else 64
+    DA = DQK - rope_dim
+    B = cu_seqlens.numel() - 1
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1])
+    maxlen = int(max_seqlen if max_seqlen is not None else (lens.max() if B else 0))
+    problem = {"T": T, "H": H, "KVH": k.shape[1], "DQK": DQK, "DA": DA, "DB": rope_dim, "DV": v.shape[-1],
+               "B1": B + 1, "B": B, "MAXLEN": maxlen}
+    cfg = dict(config_for(fmha_prefill, problem, T, config))
+    cfg.setdefault("RTZ", int(rtz))
+    out = torch.empty(T, H, v.shape[-1], dtype=torch.bfloat16, device=q.device)
+    if B and maxlen:
+        fmha_prefill(q, k, v, cu_seqlens.to(torch.int32), out, float(sm_scale), B, maxlen, DA, rope_dim, config=cfg)
+    return out

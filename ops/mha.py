@@ -1,0 +1,193 @@
+"""Paged MHA/GQA decode and verify for the EAGLE-3 draft, written in kdsl.
+
+The draft keeps its own KV cache laid out like the target's: pages of `page_size` tokens, one block
+table row per sequence, K and V caches [num_pages, page_size, kv_heads, head_dim] bf16. Query
+q [B, q_len, q_heads, head_dim]; q_heads = G * kv_heads (GQA ratio G). As for MLA, a split-KV
+kernel (`mha_decode`) writes f32 partials plus log2-sum-exp per split and `mha_decode_combine`
+merges them. One program handles one kv head and a block of (query row, group member) pairs, so a
+GQA group shares every K/V tile it loads. Row r of a q_len-row verify sees positions
+< len - q_len + r + 1.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import kdsl as kd
+from ops._common import config_for
+from ops.mla import LOG2E, MAX_Q_LEN, MAX_SPLITS, NEG_BIG, _combine_body, num_splits
+
+_EX = {"B": 1, "QL": 1, "HQ": 64, "KVH": 64, "D": 128, "NP": 4096, "PS": 64, "MP": 128, "S": 8,
+       "BS": 8, "QG": 1}
+_CHECKS = [
+    ("q", lambda d: d["HQ"] % d["KVH"] == 0, "q heads must be a multiple of kv heads (GQA)"),
+    ("q", lambda d: d["QG"] == d["QL"] * (d["HQ"] // d["KVH"]), "QG must be q_len * (q heads / kv heads)"),
+    ("q", lambda d: d["BS"] == d["B"] * d["S"], "BS must be batch * splits"),
+    ("q", lambda d: 1 <= d["QL"] <= MAX_Q_LEN, f"q_len must be 1..{MAX_Q_LEN}"),
+]
+
+
+@kd.kernel(static=("QL", "D"), example=_EX, checks=_CHECKS)
+def mha_decode(q: kd.In["B", "QL", "HQ", "D", kd.bf16], k_cache: kd.In["NP", "PS", "KVH", "D", kd.bf16],
+               v_cache: kd.In["NP", "PS", "KVH", "D", kd.bf16], block_table: kd.In["B", "MP", kd.i32],
+               seq_lens: kd.In["B", kd.i32], part: kd.Out["B", "QL", "HQ", "S", "D", kd.f32],
+               lse: kd.Out["B", "QL", "HQ", "S", kd.f32], sm_scale: kd.Scalar[kd.f32], QG: kd.Dim, BS: kd.Dim):
+    """One KV split of paged GQA decode/verify (causal among the q_len new rows): f32 partials + lse."""
+    bs, kvh, mrow = kd.grid(kd.each("BS"), kd.each("KVH"), kd.tile("QG", "BLOCK_M", domain=(16, 32, 64), default=16))
+    BN = kd.tunable("BLOCK_N", (16, 32, 64, 128), 64, "KV tokens per inner step")
+    S = kd.dim("S")
+    b = bs // S
+    split = bs % S
+    G = kd.dim("HQ") // kd.dim("KVH")
+    QL = kd.static("QL")
+    PS = kd.dim("PS")
+    r = mrow // G
+    hq = kvh * G + mrow % G
+    d = kd.full_range("D")
+    n_len = seq_lens[b]
+    chunk = kd.cdiv(kd.cdiv(n_len, S), BN) * BN
+    start = kd.minimum(split * chunk, n_len)
+    stop = kd.minimum(start + chunk, n_len)
+    qt = q[b, r, hq, d]
+    base = n_len - QL
+    qk_scale = sm_scale * LOG2E
+
+    def step(p, m_i, l_i, acc):
+        page = block_table[b, p // PS]
+        off = p % PS
+        s = kd.dot(qt, k_cache[page, off, kvh, d]) * qk_scale
+        vis = (p < base + r + 1) & (p < stop)
+        s = kd.where(vis, s, float("-inf"))
+        m_new = kd.maximum(m_i, kd.max(s, axis=p))
+        alpha = kd.exp2(m_i - m_new)
+        pr = kd.exp2(s - m_new)
+        l_new = l_i * alpha + kd.sum(pr, axis=p)
+        return m_new, l_new, acc * alpha + kd.dot(pr.to(kd.bf16), v_cache[page, off, kvh, d])
+
+    m_i, l_i, acc = kd.fold(kd.tiles(start=start, stop=stop, block=BN, label="N"),
+                            (kd.full((mrow,), NEG_BIG, kd.f32), kd.zeros((mrow,), kd.f32),
+                             kd.zeros((mrow, d), kd.f32)), step)
+    has = l_i > 0
+    part[b, r, hq, split, d] = acc / kd.where(has, l_i, 1.0)
+    lse[b, r, hq, split] = kd.where(has, m_i + kd.log2(kd.where(has, l_i, 1.0)), float("-inf"))
+
+
+@kd.kernel(static=("S",), example={"B": 1, "QL": 1, "QH": 64, "H": 64, "S": 8, "DL": 128})
+def mha_decode_combine(part: kd.In["B", "QL", "H", "S", "DL", kd.f32], lse: kd.In["B", "QL", "H", "S", kd.f32],
+                       out: kd.Out["B", "QL", "H", "DL", kd.bf16], QH: kd.Dim):
+    """Merge the KV splits of paged MHA decode by their log2-sum-exp weights -> bf16."""
+    _combine_body(part, lse, out)
+
+
+@kd.kernel(static=("D",), example={"NT": 4, "KVH": 64, "D": 128, "NP": 4096, "PS": 64})
+def mha_cache_append(k_new: kd.In["NT", "KVH", "D", kd.bf16], v_new: kd.In["NT", "KVH", "D", kd.bf16],
+                     slots: kd.In["NT", kd.i64], k_cache: kd.InOut["NP", "PS", "KVH", "D", kd.bf16],
+                     v_cache: kd.InOut["NP", "PS", "KVH", "D", kd.bf16]):
+    """k/v_cache[slot // PS, slot % PS] = k/v_new[t] for each new token (slot < 0: skipped)."""
+    t, h = kd.grid(kd.each("NT"), kd.tile("KVH", "BLOCK_H", domain=(1, 2, 4, 8, 16, 32, 64), default=8))
+    d = kd.full_range("D")
+    slot = slots[t]
+    PS = kd.dim("PS")
+    ok = (slot + h * 0) >= 0  # a vector mask: the interpreter rejects scalar bools in vector masks
+    k_cache.store(slot // PS, slot % PS, h, d, value=k_new[t, h, d], mask=ok)
+    v_cache.store(slot // PS, slot % PS, h, d, value=v_new[t, h, d], mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _check(q, k_cache, v_cache, block_table, seq_lens) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"mha_decode: q must be [B, q_len, q_heads, head_dim], got shape {tuple(q.shape)}")
+    B, QL, HQ, D = q.shape
+    if not 1 <= QL <= MAX_Q_LEN:
+        raise ValueError(f"mha_decode: q_len must be 1..{MAX_Q_LEN}, got {QL}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"mha_decode: k/v caches must both be [pages, page_size, kv_heads, head_dim], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.shape[-1] != D:
+        raise ValueError(f"mha_decode: head dims do not match: q has {D}, cache has {k_cache.shape[-1]}")
+    if HQ % k_cache.shape[2]:
+        raise ValueError(f"mha_decode: q heads {HQ} must be a multiple of kv heads {k_cache.shape[2]}")
+    if block_table.dim() != 2 or block_table.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError(f"mha_decode: block_table must be [B={B}, max_pages] and seq_lens [B], got "
+                         f"{tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
+    lens = seq_lens.tolist()
+    if min(lens) < QL:
+        raise ValueError(f"mha_decode: every sequence length must be >= q_len={QL}, got {lens}")
+    cap = block_table.shape[1] * k_cache.shape[1]
+    if max(lens) > cap:
+        raise ValueError(f"mha_decode: block table too short: {block_table.shape[1]} pages x page size "
+                         f"{k_cache.shape[1]} = {cap} tokens < sequence length {max(lens)}")
+
+
+def mha_decode_ref(q, k_cache, v_cache, block_table, seq_lens, sm_scale: float) -> torch.Tensor:
+    """float64 reference of paged GQA decode/verify (causal among the new rows)."""
+    B, QL, HQ, D = q.shape
+    PS, KVH = k_cache.shape[1], k_cache.shape[2]
+    G = HQ // KVH
+    out = torch.empty(B, QL, HQ, D, dtype=torch.float64)
+    for b in range(B):
+        n = int(seq_lens[b])
+        pos = torch.arange(n)
+        pages = block_table[b].long()[pos // PS]
+        k = k_cache[pages, pos % PS].double().repeat_interleave(G, dim=1)  # [n, HQ, D]
+        v = v_cache[pages, pos % PS].double().repeat_interleave(G, dim=1)
+        s = torch.einsum("rhd,nhd->rhn", q[b].double(), k) * sm_scale
+        vis = pos[None, :] < (n - QL + torch.arange(QL) + 1)[:, None]
+        s = s.masked_fill(~vis[:, None, :], float("-inf"))
+        out[b] = torch.einsum("rhn,nhd->rhd", torch.softmax(s, -1), v)
+    return out
+
+
+def paged_mha_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, sm_scale: float, splits: int | None = None, backend: str = "triton",
+                     config: dict[str, Any] | None = None) -> torch.Tensor:
+    """Paged GQA attention of q [B, q_len, q_heads, D] over the cached tokens (the q_len new ones
+    included in seq_lens) -> [B, q_len, q_heads, D] bf16."""
+    _check(q, k_cache, v_cache, block_table, seq_lens)
+    if backend == "torch":
+        return mha_decode_ref(q, k_cache, v_cache, block_table, seq_lens, sm_scale).to(q.dtype)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    B, QL, HQ, D = q.shape
+    KVH = k_cache.shape[2]
+    G = HQ // KVH
+    problem = {"B": B, "QL": QL, "HQ": HQ, "KVH": KVH, "D": D, "PS": k_cache.shape[1], "MP": block_table.shape[1]}
+    cfg = dict(config_for(mha_decode, problem, B * QL, config))
+    bm = cfg.get("BLOCK_M", 16)
+    # programs per sequence: KVH * cdiv(QL*G, BLOCK_M), i.e. "heads" = KVH*BLOCK_M-padded rows
+    S = splits if splits is not None else num_splits(seq_lens, 1, KVH * -(-(QL * G) // bm) * bm, bm,
+                                                     block_n=cfg.get("BLOCK_N", 64))
+    if not 1 <= S <= MAX_SPLITS:
+        raise ValueError(f"mha_decode: splits must be 1..{MAX_SPLITS}, got {S}")
+    part = torch.empty(B, QL, HQ, S, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, QL, HQ, S, dtype=torch.float32, device=q.device)
+    mha_decode(q, k_cache, v_cache, block_table.to(torch.int32), seq_lens.to(device=q.device, dtype=torch.int32),
+               part, lse, float(sm_scale), QL * G, B * S, config=cfg)
+    out = torch.empty(B, QL, HQ, D, dtype=torch.bfloat16, device=q.device)
+    ccfg = config_for(mha_decode_combine, {"B": B, "QL": QL, "QH": QL * HQ, "H": HQ, "S": S, "DL": D}, B * QL, None)
+    mha_decode_combine(part, lse, out, QL * HQ, config=ccfg)
+    return out
+
+
+def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+              slots: torch.Tensor, backend: str = "triton", config: dict[str, Any] | None = None) -> None:
+    """Write new K/V rows [NT, kv_heads, D] into the paged caches at slots [NT] (negative = skip)."""
+    if k_new.shape != v_new.shape or k_new.dim() != 3 or k_new.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"append_kv: k/v_new must be [NT, {k_cache.shape[2]}, {k_cache.shape[3]}], got "
+                         f"{tuple(k_new.shape)} / {tuple(v_new.shape)}")
+    if slots.shape != (k_new.shape[0],):
+        raise ValueError(f"append_kv: slots must be [{k_new.shape[0]}], got {tuple(slots.shape)}")
+    if backend == "torch":
+        ok = slots >= 0
+        s = slots[ok].long()
+        PS = k_cache.shape[1]
+        k_cache[s // PS, s % PS] = k_new[ok]
+        v_cache[s // PS, s % PS] = v_new[ok]
+        return
+    if k_new.shape[0] == 0:
+        return
+    cfg = config_for(mha_cache_append, {"NT": k_new.shape[0], "KVH": k_new.shape[1], "D": k_new.shape[2],
+                                        "NP": k_cache.shape[0], "PS": k_cache.shape[1]}, k_new.shape[0], config)
+    mha_cache_append(k_new, v_new, slots.to(torch.int64), k_cache, v_cache, config=cfg)

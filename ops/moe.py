@@ -1,0 +1,714 @@
+"""Fused MoE (DeepSeek-V3 / Kimi-K2.5 noaux_tc routing) in kdsl: routing, expert align, two GEMM stages.
+
+Pipeline of `fused_moe` (backend="triton"):
+1. `moe_gate_gemm` + `moe_route` (kdsl): router GEMM x·Wgate^T in f32 (split over H into partials so
+   M=1 uses many CUs; summed in fixed order), sigmoid scores, expert choice on
+   scores + e_score_correction_bias (group-limited when n_group > 1), combine weights = the
+   *unbiased* scores of the chosen experts, / (sum + 1e-20) when norm_topk_prob, × routed_scaling_factor.
+   Top-k is k rounds of argmax-and-mask over the whole (padded) expert tile; ties go to the lower id.
+2. Per-token int8 quantization (W4A8 only): `ops.quant.quant_per_token_int8` (absmax/127, RNE).
+3. Expert align (`moe_align`, **plain torch ops on the device, not a kdsl kernel**): the (token, k)
+   rows sorted by expert into BLOCK_M-padded blocks, a block->expert map (-1 = unused block) and a
+   sentinel row id T = M*top_k for padding. No host sync: the grid is the worst-case block count
+   cdiv(T, BLOCK_M) + min(E, T) and stages exit early (kd.exit_if) on unused blocks; at M=1 that is
+   8 blocks of which 8 are used.
+4. Stage 1 (`moe_stage1_{w4a8,w4a16,bf16}`): per block, gate and up GEMMs against the block's expert
+   (int8 x int4 -> i32 MFMA for W4A8; int4 dequantized to bf16 with group-32 scales for W4A16),
+   per-token x per-channel scales, SiLU(gate)*up, stored as a **bf16 intermediate** [S, I].
+5. Stage 2 (`moe_stage2_{w4a8,w4a16,bf16}`): per block, the down GEMM. For W4A8 the bf16
+   intermediate is quantized to int8 per row (absmax/127, RNE): by default with
+   `quant_per_token_int8` over the [S, I] intermediate and then `moe_stage2_w4a8_pq` (main loop =
+   unpack + i32 MFMA only); with config "stage2_quant": "fused", `moe_stage2_w4a8` quantizes its A
+   tiles itself (one launch less, but ~2x the main-loop VALU: every wave re-quantizes the A tile). The routing weight is applied and the top-k rows are summed
+   per token either by `kd.atomic_add` into an f32 [M, H] buffer (REDUCE="atomic") or by storing a
+   partial [T, H] buffer reduced by `moe_sum` (REDUCE="partial"); REDUCE is a tunable of stage 2.
+6. Shared expert: plain torch (bf16 GEMMs, f32 SiLU) — noted; output = routed (f32) + shared, cast to bf16.
+
+Weight formats (`MoEWeights.fmt`):
+- "w4a8":  w13 int32 [E, 2I, H/8] Quark reorder packing (gate rows then up rows), s13 f32 [E, 2I];
+           w2 int32 [E, H, I/8], s2 f32 [E, H] (per-channel; fold a per-tensor scale into these).
+- "w4a16": w13 int32 [E, 2I, H/8] compressed-tensors ("ct") packing, s13 bf16 [E, 2I, H/32];
+           w2 int32 [E, H, I/8], s2 bf16 [E, H, I/32]. Dequant = (q * s) rounded to bf16.
+- "bf16":  w13 bf16 [E, 2I, H], w2 bf16 [E, H, I].
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import kdsl as kd
+from kdsl.ir import ctx
+
+from ops._common import config_for
+from ops.quant import MIN_ABSMAX, _round_rne, quant_per_token_int8_ref, quantize_int8
+
+NEG_INF = float("-inf")
+BIG = 1 << 30
+GROUP = 32  # W4A16 quant group along K
+PACK = 8  # int4 values per int32 word
+M_BLOCKS = (16, 32, 64)
+N_BLOCKS = (16, 32, 64, 128)
+K_BLOCKS = (32, 64, 128, 256)
+
+KIMI = {"E": 384, "H": 7168, "I": 2048, "TOPK": 8}
+
+
+def _p2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. routing
+
+ROUTE_SPLIT_H = 512  # hidden elements per program of the gate GEMM (Kimi: 14 splits x 6 expert tiles)
+
+
+@kd.kernel(example={"M": 1, "H": 7168, "E": 384, "SPLIT": 14})
+def moe_gate_gemm(x: kd.In["M", "H", kd.bf16], wg: kd.In["E", "H", kd.bf16], part: kd.Out["SPLIT", "M", "E", kd.f32]):
+    """Router logits x·Wgate^T in f32, split over H: at M=1 one program per token would stream the
+    whole 5.5 MB gate weight through one CU; split partials are summed in fixed order by moe_route."""
+    m, e, s = kd.grid(kd.tile("M", "BLOCK_M", domain=(1, 2, 4, 8, 16), default=1),
+                      kd.tile("E", "BLOCK_E", domain=(16, 32, 64, 128), default=64), kd.each("SPLIT"))
+    hs = kd.cdiv(kd.dim("H"), kd.dim("SPLIT"))
+    start = s * hs
+    stop = kd.minimum(start + hs, kd.dim("H"))
+    acc = kd.fold(kd.tiles(start=start, stop=stop, block="BLOCK_H", domain=(16, 32, 64, 128), default=64, label="h"),
+                  kd.zeros((m, e), kd.f32), lambda h, acc: acc + kd.dot(x[m, h], wg[e, h]))
+    part[s, m, e] = acc
+
+
+@kd.kernel(static=("E", "TOPK", "NG", "TOPKG", "NORM", "SPLIT"),
+           example={"M": 1, "E": 384, "TOPK": 8, "NG": 1, "TOPKG": 1, "NORM": 1, "SPLIT": 14})
+def moe_route(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", kd.f32],
+              ids: kd.Out["M", "TOPK", kd.i32], wts: kd.Out["M", "TOPK", kd.f32],
+              NG: kd.Dim, TOPKG: kd.Dim, NORM: kd.Dim, scale: kd.Scalar[kd.f32]):
+    """noaux_tc routing for one token per program: sigmoid scores, biased group-limited top-k."""
+    (m,) = kd.grid(kd.each("M"))
+    E, K, ng, tkg = kd.static("E"), kd.static("TOPK"), kd.static("NG"), kd.static("TOPKG")
+    kd.require(E % ng == 0, "E must be a multiple of n_group", "NG")
+    eg = E // ng
+    g = kd.span(0, _p2(ng), ng if _p2(ng) != ng else None, "g")
+    j = kd.span(0, _p2(eg), eg if _p2(eg) != eg else None, "j")
+    e = g * eg + j  # expert id over (g, j)
+    valid = (g < ng) & (j < eg)
+    sp = kd.full_range("SPLIT")
+    logits = kd.sum(logits[sp, m, e], axis=sp)  # fixed order: deterministic
+    scores = kd.sigmoid(logits)
+    sel = kd.where(valid, scores + bias[e], NEG_INF)
+    if ng > 1:  # group score = sum of the top-2 biased scores of the group; keep topk_group groups
+        top1 = kd.max(sel, axis=j)
+        i1 = kd.min(kd.where(sel == top1, j, BIG), axis=j)
+        top2 = kd.max(kd.where(j == i1, NEG_INF, sel), axis=j)
+        gs = kd.where(g < ng, top1 + top2, NEG_INF)
+        keep = kd.zeros((g,), kd.i32)
+        for _ in range(tkg):
+            gi = kd.min(kd.where(gs == kd.max(gs, axis=g), g, BIG), axis=g)
+            keep = kd.where(g == gi, 1, keep)
+            gs = kd.where(g == gi, NEG_INF, gs)
+        sel = kd.where(keep > 0, sel, NEG_INF)
+    chosen, weights = [], []
+    for _ in range(K):
+        mx = kd.max(kd.max(sel, axis=j), axis=g)
+        idx = kd.min(kd.min(kd.where(sel == mx, e, BIG), axis=j), axis=g)
+        weights.append(kd.sum(kd.sum(kd.where(e == idx, scores, 0.0), axis=j), axis=g))
+        chosen.append(idx)
+        sel = kd.where(e == idx, NEG_INF, sel)
+    denom = weights[0]
+    for w in weights[1:]:
+        denom = denom + w
+    mult = scale / (denom + 1e-20) if kd.static("NORM") else scale
+    for i in range(K):
+        ids[m, i] = chosen[i]
+        wts[m, i] = weights[i] * mult
+
+
+def moe_route_ref(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int = 1,
+                  topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of `moe_route`: (ids int32 [M, k], weights f32 [M, k])."""
+    scores = torch.sigmoid(x.float() @ wg.float().t())
+    sel = scores + bias.float()[None]
+    M, E = scores.shape
+    if n_group > 1:
+        gsel = sel.view(M, n_group, E // n_group)
+        gscore = gsel.topk(2, dim=-1).values.sum(-1)
+        gidx = gscore.topk(topk_group, dim=-1).indices
+        gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gidx, True)
+        sel = sel.masked_fill(~gmask.repeat_interleave(E // n_group, dim=1), NEG_INF)
+    ids = sel.topk(top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids.to(torch.int32), w * routed_scaling_factor
+
+
+def route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int = 1,
+          topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+          backend: str = "triton", config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ids and combine weights per token (noaux_tc). `config`: {"gate": {...}, "route": {...}}."""
+    M, H = x.shape
+    E = wg.shape[0]
+    if wg.shape[1] != H:
+        raise ValueError(f"route: router weight must be [E, H={H}], got {tuple(wg.shape)}")
+    if bias.shape != (E,):
+        raise ValueError(f"route: e_score_correction_bias must be [E={E}], got {tuple(bias.shape)}")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"route: top_k={top_k} must be in [1, n_experts={E}]")
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"route: n_group={n_group} must divide n_experts={E}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"route: topk_group={topk_group} must be in [1, n_group={n_group}]")
+    if n_group > 1 and top_k > topk_group * (E // n_group):
+        raise ValueError(f"route: top_k={top_k} exceeds the experts in topk_group={topk_group} groups")
+    if backend == "torch":
+        return moe_route_ref(x, wg, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+    _check_backend(backend)
+    ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
+    wts = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
+    split = max(1, min(16, -(-H // ROUTE_SPLIT_H)))
+    part = torch.empty(split, M, E, dtype=torch.float32, device=x.device)
+    config = config or {}
+    cfg_g = config_for(moe_gate_gemm, {"E": E, "H": H}, M, config.get("gate"))
+    moe_gate_gemm(x.to(torch.bfloat16).contiguous(), wg.to(torch.bfloat16).contiguous(), part, config=cfg_g)
+    cfg = config_for(moe_route, {"E": E, "TOPK": top_k}, M, config.get("route"))
+    moe_route(part, bias.float().contiguous(), ids, wts, n_group, topk_group,
+              int(bool(norm_topk_prob)), float(routed_scaling_factor), config=cfg)
+    return ids, wts
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. expert align (torch ops, no host sync)
+
+ALIGN_CHUNK = 16  # experts per step of the prefix sum in moe_align_blocks
+
+
+@kd.kernel(static=("E", "BM"), example={"T": 8, "E": 384, "NB": 9, "BM": 16})
+def moe_align_blocks(ids: kd.In["T", kd.i32], pstart: kd.Out["E", kd.i32], block_expert: kd.Out["NB", kd.i32],
+                     BM: kd.Dim):
+    """Expert align, part 1 (one program): per-expert row counts, BLOCK_M-padded start offsets
+    (exclusive prefix sum) and the block -> expert map (-1 past the used blocks)."""
+    E, bm = kd.static("E"), kd.static("BM")
+    (e,) = kd.grid(kd.tile("E", block=_p2(E)))
+    T = kd.dim("T")
+    t_tiles = lambda: kd.tiles("T", block="BLOCK_T", domain=(8, 16, 32, 64), default=16)  # noqa: E731
+
+    def count(experts):
+        def body(t, n):
+            return n + kd.sum(kd.where((ids[t] == experts) & (t < T), 1, 0), axis=t)
+        c = kd.fold(t_tiles(), kd.zeros((experts,), kd.i32), body)
+        return (c + (bm - 1)) // bm * bm
+
+    def prefix(c, acc):  # acc[e] += padded counts of the experts c < e in this chunk
+        return acc + kd.sum(kd.where(c < e, count(c), 0), axis=c)
+
+    start = kd.fold(kd.tiles("E", block=ALIGN_CHUNK, label="c"), kd.zeros((e,), kd.i32), prefix)
+    padded = count(e)
+    pstart[e] = start
+    end = start + padded
+    total = kd.sum(padded, axis=e)
+
+    def blocks(b, dummy):
+        bs = b * bm
+        used = kd.sum(kd.where(end <= bs, 1, 0), axis=e)  # experts whose blocks end before block b
+        block_expert[b] = kd.where(bs < total, used, -1)
+        return dummy
+
+    kd.fold(kd.tiles("NB", block="BLOCK_B", domain=(16, 32, 64), default=32), kd.zeros((e,), kd.i32), blocks)
+
+
+@kd.kernel(example={"T": 8, "E": 384, "S": 144})
+def moe_align_scatter(ids: kd.In["T", kd.i32], pstart: kd.In["E", kd.i32], sorted_ids: kd.InOut["S", kd.i32]):
+    """Expert align, part 2: row t goes to pstart[ids[t]] + #{t' < t with the same expert}."""
+    (t,) = kd.grid(kd.tile("T", "BLOCK_T", domain=(16, 32, 64, 128), default=64))
+    et = ids[t]
+
+    def body(u, r):
+        return r + kd.sum(kd.where((ids[u] == et) & (u < t), 1, 0), axis=u)
+
+    rank = kd.fold(kd.tiles("T", block="BLOCK_U", domain=(16, 32, 64), default=32, label="u"),
+                   kd.zeros((t,), kd.i32), body)
+    sorted_ids[pstart[et] + rank] = t
+
+
+def moe_align(ids: torch.Tensor, n_experts: int, block_m: int, backend: str = "triton", check: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the (token, k) rows by expert into block_m-padded blocks.
+
+    Returns sorted_ids int32 [NB*block_m] (row id t*top_k+k, or the sentinel T=M*top_k for padding)
+    and block_expert int32 [NB] (-1 for blocks past the used ones), NB = cdiv(T, block_m) + min(E, T).
+    backend="triton": two kdsl kernels (moe_align_blocks, moe_align_scatter) after a sentinel fill;
+    "torch": the same result with torch ops (bincount, stable argsort)."""
+    _check_backend(backend)
+    flat = ids.reshape(-1).long()
+    T = flat.numel()
+    if check and T and (int(flat.min()) < 0 or int(flat.max()) >= n_experts):  # a host sync: skippable
+        raise ValueError(f"moe_align: expert ids must lie in [0, {n_experts}), got [{int(flat.min())}, {int(flat.max())}]")
+    nb = -(-T // block_m) + min(n_experts, T)
+    if backend == "triton":
+        flat32 = ids.reshape(-1).to(torch.int32).contiguous()
+        pstart = torch.empty(n_experts, dtype=torch.int32, device=ids.device)
+        bexp = torch.empty(nb, dtype=torch.int32, device=ids.device)
+        sorted_ids = torch.full((nb * block_m,), T, dtype=torch.int32, device=ids.device)
+        moe_align_blocks(flat32, pstart, bexp, block_m)
+        moe_align_scatter(flat32, pstart, sorted_ids)
+        return sorted_ids, bexp
+    counts = torch.bincount(flat, minlength=n_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    pstart = torch.cumsum(padded, 0) - padded
+    cstart = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    se = flat[order]
+    pos = pstart[se] + (torch.arange(T, device=ids.device) - cstart[se])
+    sorted_ids = torch.full((nb * block_m,), T, dtype=torch.int32, device=ids.device)
+    sorted_ids[pos] = order.to(torch.int32)
+    bstart = torch.arange(nb, device=ids.device) * block_m
+    pend = pstart + padded
+    bexp = (pend[None, :] <= bstart[:, None]).sum(1)  # experts whose blocks end before this block
+    used = padded.sum()
+    block_expert = torch.where(bstart < used, bexp, torch.full_like(bexp, -1)).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+# ----------------------------------------------------------------------------------------------
+# 4./5. expert GEMM stages: shared pieces
+
+def _block_rows(sorted_ids, block_expert, b):
+    """The block's expert (exits on unused blocks), its rows, their (token, k) ids and validity."""
+    BM = kd.tunable("BLOCK_M", M_BLOCKS, 16, "rows per expert block (MFMA needs >= 16)")
+    e = block_expert[b]
+    kd.exit_if(e < 0)
+    rows = kd.span(b * BM, BM, label="m")
+    tid = sorted_ids[rows]
+    return e, rows, tid
+
+
+def _k_tiles(dim: str, default: int = 128):
+    return kd.tiles(dim, block="BLOCK_K", domain=K_BLOCKS, default=default)
+
+
+def _w4a8_gate_up(x, w13, e, n, tok, valid):
+    """The W4A8 stage-1 main loop: i32 accumulators of gate and up (shared by the debug kernel)."""
+    I = kd.dim("I")
+
+    def body(k, ag, au):
+        a = x.load(tok, k, mask=valid)
+        return ag + kd.dot(a, w13[e, n, k]), au + kd.dot(a, w13[e, n + I, k])
+
+    z = kd.zeros((tok, n), kd.i32)
+    return kd.fold(_k_tiles("K"), (z, z), body)
+
+
+S1_CHECKS = [("N2", lambda d: d["N2"] == 2 * d["I"], "w13 rows (N2) must be 2*I (gate rows then up rows)")]
+S1_EXAMPLE = {"M": 1, "K": KIMI["H"], "I": KIMI["I"], "N2": 2 * KIMI["I"], "E": KIMI["E"], "TOPK": 8,
+              "S": 16 * 9, "NB": 9}
+
+
+def _s1_grid():
+    return kd.grid(kd.each("NB"), kd.tile("I", "BLOCK_N", domain=N_BLOCKS, default=64))
+
+
+@kd.kernel(static=("TOPK",), checks=S1_CHECKS, example=S1_EXAMPLE)
+def moe_stage1_w4a8(x: kd.In["M", "K", kd.i8], xs: kd.In["M", kd.f32],
+                    w13: kd.In["E", "N2", "K", kd.int4("quark_reorder")], s13: kd.In["E", "N2", kd.f32],
+                    sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32],
+                    inter: kd.Out["S", "I", kd.bf16], TOPK: kd.Dim):
+    """W4A8 gate+up: int8 x int4 -> i32 dot, per-token x per-channel scales, SiLU(gate)*up -> bf16."""
+    b, n = _s1_grid()
+    e, rows, tid = _block_rows(sorted_ids, block_expert, b)
+    valid = tid < kd.dim("M") * TOPK
+    tok = tid // TOPK
+    ag, au = _w4a8_gate_up(x, w13, e, n, tok, valid)
+    xsv = xs.load(tok, mask=valid)
+    g = ag * xsv * s13[e, n]
+    u = au * xsv * s13[e, n + kd.dim("I")]
+    inter.store(rows, n, value=kd.silu(g) * u, mask=valid)
+
+
+@kd.kernel(static=("TOPK",), checks=S1_CHECKS, example=S1_EXAMPLE)
+def moe_stage1_w4a8_acc(x: kd.In["M", "K", kd.i8], w13: kd.In["E", "N2", "K", kd.int4("quark_reorder")],
+                        sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32],
+                        acc_g: kd.Out["S", "I", kd.i32], acc_u: kd.Out["S", "I", kd.i32], TOPK: kd.Dim):
+    """Test view of `moe_stage1_w4a8`: the same main loop, raw i32 gate/up accumulators stored."""
+    b, n = _s1_grid()
+    e, rows, tid = _block_rows(sorted_ids, block_expert, b)
+    valid = tid < kd.dim("M") * TOPK
+    ag, au = _w4a8_gate_up(x, w13, e, n, tid // TOPK, valid)
+    acc_g.store(rows, n, value=ag, mask=valid)
+    acc_u.store(rows, n, value=au, mask=valid)
+
+
+def _dequant_g32(w, s, e, n, k):
+    """int4 (ct) x bf16 group-32 scale -> bf16 tile (n, k), rounded like a bf16 dequant."""
+    return (w[e, n, k].to(kd.f32) * s[e, n, k // GROUP].to(kd.f32)).to(kd.bf16)
+
+
+@kd.kernel(static=("TOPK",), example={**S1_EXAMPLE, "KG": KIMI["H"] // GROUP},
+           checks=S1_CHECKS + [("KG", lambda d: d["K"] == GROUP * d["KG"], "s13 must be [E, N2, K/32] (group 32)")])
+def moe_stage1_w4a16(x: kd.In["M", "K", kd.bf16], w13: kd.In["E", "N2", "K", kd.int4("ct")],
+                     s13: kd.In["E", "N2", "KG", kd.bf16],
+                     sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32],
+                     inter: kd.Out["S", "I", kd.bf16], TOPK: kd.Dim):
+    """W4A16 group-32 gate+up: int4 dequantized to bf16 in registers, bf16 dot, SiLU(gate)*up."""
+    b, n = _s1_grid()
+    e, rows, tid = _block_rows(sorted_ids, block_expert, b)
+    valid = tid < kd.dim("M") * TOPK
+    tok = tid // TOPK
+    I = kd.dim("I")
+
+    def body(k, ag, au):
+        a = x.load(tok, k, mask=valid)
+        return (ag + kd.dot(a, _dequant_g32(w13, s13, e, n, k)),
+                au + kd.dot(a, _dequant_g32(w13, s13, e, n + I, k)))
+
+    z = kd.zeros((tid, n), kd.f32)
+    ag, au = kd.fold(_k_tiles("K", 64), (z, z), body)  # BLOCK_K 128 spills on gfx942 (dequant tiles)
+    inter.store(rows, n, value=kd.silu(ag) * au, mask=valid)
+
+
+@kd.kernel(static=("TOPK",), checks=S1_CHECKS, example=S1_EXAMPLE)
+def moe_stage1_bf16(x: kd.In["M", "K", kd.bf16], w13: kd.In["E", "N2", "K", kd.bf16],
+                    sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32],
+                    inter: kd.Out["S", "I", kd.bf16], TOPK: kd.Dim):
+    """bf16 gate+up with SiLU(gate)*up."""
+    b, n = _s1_grid()
+    e, rows, tid = _block_rows(sorted_ids, block_expert, b)
+    valid = tid < kd.dim("M") * TOPK
+    tok = tid // TOPK
+    I = kd.dim("I")
+
+    def body(k, ag, au):
+        a = x.load(tok, k, mask=valid)
+        return ag + kd.dot(a, w13[e, n, k]), au + kd.dot(a, w13[e, n + I, k])
+
+    z = kd.zeros((tid, n), kd.f32)
+    ag, au = kd.fold(_k_tiles("K"), (z, z), body)
+    inter.store(rows, n, value=kd.silu(ag) * au, mask=valid)
+
+
+S2_EXAMPLE = {"M": 1, "I": KIMI["I"], "H": KIMI["H"], "E": KIMI["E"], "TOPK": 8, "T": 8, "S": 16 * 9, "NB": 9,
+              "MO": 1, "P": 8}
+
+
+def _s2_grid():
+    return kd.grid(kd.each("NB"), kd.tile("H", "BLOCK_N", domain=N_BLOCKS, default=64))
+
+
+def _s2_epilogue(y, tid, valid, n, topk_w, out, partial):
+    """Apply the routing weight and reduce over top-k: atomic f32 add, or a partial [T, H] row."""
+    y = y * topk_w.load(tid, mask=valid)
+    mode = kd.tunable("REDUCE", ("atomic", "partial"), "atomic", "top-k sum: f32 atomics or partial + moe_sum")
+    if mode == "atomic":
+        out.atomic_add(tid // kd.static("TOPK"), n, value=y, mask=valid)
+    else:
+        partial.store(tid, n, value=y, mask=valid)
+
+
+@kd.kernel(static=("TOPK",), example=S2_EXAMPLE)
+def moe_stage2_w4a8(inter: kd.In["S", "I", kd.bf16], w2: kd.In["E", "H", "I", kd.int4("quark_reorder")],
+                    s2: kd.In["E", "H", kd.f32], sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32],
+                    topk_w: kd.In["T", kd.f32], out: kd.InOut["MO", "H", kd.f32], partial: kd.Out["P", "H", kd.f32],
+                    TOPK: kd.Dim):
+    """W4A8 down: per-row int8 quant of the bf16 intermediate (prologue), int8 x int4 -> i32, scales,
+    routing weight, top-k reduction."""
+    b, n = _s2_grid()
+    e, rows, tid = _block_rows(sorted_ids, block_expert, b)
+    valid = tid < kd.dim("T")
+
+    def amax_body(k, a):
+        return kd.maximum(a, kd.max(kd.abs(inter.load(rows, k, mask=valid).to(kd.f32)), axis=k))
+
+    a_s = kd.maximum(kd.fold(_k_tiles("I"), kd.zeros((rows,), kd.f32), amax_body), MIN_ABSMAX) / 127.0
+
+    def body(k, acc):
+        y = kd.minimum(kd.maximum(inter.load(rows, k, mask=valid).to(kd.f32) / a_s, -127.0), 127.0)
+        q = _round_rne(y).to(kd.i32).to(kd.i8)
+        return acc + kd.dot(q, w2[e, n, k])
+
+    acc = kd.fold(_k_tiles("I"), kd.zeros((rows, n), kd.i32), body)
+    _s2_epilogue(acc * a_s * s2[e, n], tid, valid, n, topk_w, out, partial)
+
+
+@kd.kernel(static=("TOPK",), example=S2_EXAMPLE)
+def moe_stage2_w4a8_pq(inter: kd.In["S", "I", kd.i8], inter_s: kd.In["S", kd.f32],
+                       w2: kd.In["E", "H", "I", kd.int4("quark_reorder")], s2: kd.In["E", "H", kd.f32],
+                       sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32], topk_w: kd.In["T", kd.f32],
+                       out: kd.InOut["MO", "H", kd.f32], partial: kd.Out["P", "H", kd.f32], TOPK: kd.Dim):
+    """W4A8 down on an intermediate already quantized per row (by `quant_per_token_int8`): the main
+    loop is only the int4 unpack and the i32 MFMA (the fused variant re-quantizes A in every wave)."""
+    b, n = _s2_grid()
+    e, rows, tid = _block_rows(sorted_ids, block_expert, b)
+    valid = tid < kd.dim("T")
+
+    def body(k, acc):
+        return acc + kd.dot(inter.load(rows, k, mask=valid), w2[e, n, k])
+
+    acc = kd.fold(_k_tiles("I"), kd.zeros((rows, n), kd.i32), body)
+    _s2_epilogue(acc * inter_s[rows] * s2[e, n], tid, valid, n, topk_w, out, partial)
+
+
+@kd.kernel(static=("TOPK",), example={**S2_EXAMPLE, "IG": KIMI["I"] // GROUP},
+           checks=[("IG", lambda d: d["I"] == GROUP * d["IG"], "s2 must be [E, H, I/32] (group 32)")])
+def moe_stage2_w4a16(inter: kd.In["S", "I", kd.bf16], w2: kd.In["E", "H", "I", kd.int4("ct")],
+                     s2: kd.In["E", "H", "IG", kd.bf16], sorted_ids: kd.In["S", kd.i32],
+                     block_expert: kd.In["NB", kd.i32], topk_w: kd.In["T", kd.f32],
+                     out: kd.InOut["MO", "H", kd.f32], partial: kd.Out["P", "H", kd.f32], TOPK: kd.Dim):
+    """W4A16 group-32 down: bf16 intermediate x dequantized int4, routing weight, top-k reduction."""
+    b, n = _s2_grid()
+    e, rows, tid = _block_rows(sorted_ids, block_expert, b)
+    valid = tid < kd.dim("T")
+
+    def body(k, acc):
+        return acc + kd.dot(inter.load(rows, k, mask=valid), _dequant_g32(w2, s2, e, n, k))
+
+    acc = kd.fold(_k_tiles("I", 32), kd.zeros((rows, n), kd.f32), body)  # BLOCK_K 64+ spills on gfx942
+    _s2_epilogue(acc, tid, valid, n, topk_w, out, partial)
+
+
+@kd.kernel(static=("TOPK",), example=S2_EXAMPLE)
+def moe_stage2_bf16(inter: kd.In["S", "I", kd.bf16], w2: kd.In["E", "H", "I", kd.bf16],
+                    sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32], topk_w: kd.In["T", kd.f32],
+                    out: kd.InOut["MO", "H", kd.f32], partial: kd.Out["P", "H", kd.f32], TOPK: kd.Dim):
+    """bf16 down GEMM, routing weight, top-k reduction."""
+    b, n = _s2_grid()
+    e, rows, tid = _block_rows(sorted_ids, block_expert, b)
+    valid = tid < kd.dim("T")
+
+    def body(k, acc):
+        return acc + kd.dot(inter.load(rows, k, mask=valid), w2[e, n, k])
+
+    acc = kd.fold(_k_tiles("I"), kd.zeros((rows, n), kd.f32), body)
+    _s2_epilogue(acc, tid, valid, n, topk_w, out, partial)
+
+
+@kd.kernel(static=("TOPK",), example={"M": 1, "H": KIMI["H"], "TOPK": 8, "P": 8})
+def moe_sum(partial: kd.In["P", "H", kd.f32], out: kd.Out["M", "H", kd.f32], TOPK: kd.Dim):
+    """Sum the top-k partial rows of each token: out[m] = sum_j partial[m*TOPK + j]."""
+    (m, n) = kd.grid(kd.each("M"), kd.tile("H", "BLOCK_N", domain=(64, 128, 256, 512, 1024), default=256))
+    acc = partial[m * TOPK, n]
+    for j in range(1, kd.static("TOPK")):
+        acc = acc + partial[m * TOPK + j, n]
+    out[m, n] = acc
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. the layer op
+
+FORMATS = ("w4a8", "w4a16", "bf16")
+
+
+@dataclass
+class MoEWeights:
+    """Routed-expert weights in one format (see the module docstring for layouts)."""
+    fmt: str
+    w13: torch.Tensor
+    w2: torch.Tensor
+    s13: torch.Tensor | None = None
+    s2: torch.Tensor | None = None
+
+    def dims(self) -> tuple[int, int, int]:
+        """(E, H, I) from the tensors, validating every shape against the format."""
+        f = self.fmt
+        if f not in FORMATS:
+            raise ValueError(f"MoEWeights: fmt must be one of {FORMATS}, got {f!r}")
+        w13, w2 = self.w13, self.w2
+        if w13.dim() != 3 or w2.dim() != 3:
+            raise ValueError(f"MoEWeights({f}): w13 and w2 must be 3-D [E, N, K], got {tuple(w13.shape)} and {tuple(w2.shape)}")
+        packed = f != "bf16"
+        want = torch.int32 if packed else torch.bfloat16
+        for name, t in (("w13", w13), ("w2", w2)):
+            if t.dtype != want:
+                raise TypeError(f"MoEWeights({f}): {name} must be {want}{' (packed int4, 8 per word)' if packed else ''}, got {t.dtype}")
+        E, N2 = w13.shape[:2]
+        if N2 % 2:
+            raise ValueError(f"MoEWeights({f}): w13 rows must be 2*I (gate then up), got {N2}")
+        I = N2 // 2
+        H = w13.shape[2] * (PACK if packed else 1)
+        if packed and I % PACK:
+            raise ValueError(f"MoEWeights({f}): intermediate size I={I} must be a multiple of the pack factor {PACK}")
+        if tuple(w2.shape) != (E, H, I // PACK if packed else I):
+            raise ValueError(f"MoEWeights({f}): w2 must be [E={E}, H={H}, {'I/8=' + str(I // PACK) if packed else 'I=' + str(I)}], "
+                             f"got {tuple(w2.shape)}")
+        if f == "w4a8":
+            self._scale("s13", self.s13, (E, N2), torch.float32, "per-channel f32")
+            self._scale("s2", self.s2, (E, H), torch.float32, "per-channel f32")
+        elif f == "w4a16":
+            for name, kk in (("hidden size H", H), ("intermediate size I", I)):
+                if kk % GROUP:
+                    raise ValueError(f"MoEWeights(w4a16): {name}={kk} must be a multiple of the group size {GROUP}")
+            self._scale("s13", self.s13, (E, N2, H // GROUP), torch.bfloat16, "group-32 bf16")
+            self._scale("s2", self.s2, (E, H, I // GROUP), torch.bfloat16, "group-32 bf16")
+        return E, H, I
+
+    def _scale(self, name: str, t: torch.Tensor | None, shape: tuple, dtype: torch.dtype, what: str) -> None:
+        if t is None:
+            raise ValueError(f"MoEWeights({self.fmt}): {name} ({what} scales {list(shape)}) is missing")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"MoEWeights({self.fmt}): {name} must be {what} scales of shape {list(shape)}, got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise TypeError(f"MoEWeights({self.fmt}): {name} must be {dtype}, got {t.dtype}")
+
+
+@dataclass
+class MoEConfig:
+    """Routing hyper-parameters (Kimi-K2.5 defaults)."""
+    top_k: int = 8
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.827
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+
+
+def _dequant(w: MoEWeights, which: str) -> torch.Tensor:
+    """Reference dequantization to f32 [E, N, K] (W4A16: rounded to bf16 first, as the kernel does)."""
+    from ops.packing import unpack_int4
+
+    words, s = (w.w13, w.s13) if which == "13" else (w.w2, w.s2)
+    if w.fmt == "bf16":
+        return words.float()
+    if w.fmt == "w4a16":
+        q = unpack_int4(words, "ct").float()
+        return (q * s.float().repeat_interleave(GROUP, dim=-1)).to(torch.bfloat16).float()
+    return unpack_int4(words, "quark_reorder").float()  # w4a8: scales applied after the int dot
+
+
+def experts_ref(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+    """Torch reference of the routed experts (stage 1 + 2, same quantization and roundings): f32 [M, H]."""
+    E, H, I = w.dims()
+    M, K = ids.shape
+    out = torch.zeros(M, H, dtype=torch.float64, device=x.device)
+    w13, w2 = _dequant(w, "13"), _dequant(w, "2")
+    if w.fmt == "w4a8":
+        x8, xs = quant_per_token_int8_ref(x)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if w.fmt == "w4a8":
+            gu = (x8[tok].double() @ w13[e].double().t()).float() * xs[tok, None] * w.s13[e][None]
+        else:
+            gu = (x[tok].float() @ w13[e].t())
+        h = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
+        if w.fmt == "w4a8":
+            hq, hs = quant_per_token_int8_ref(h)
+            y = (hq.double() @ w2[e].double().t()).float() * hs[:, None] * w.s2[e][None]
+        else:
+            y = h.float() @ w2[e].t()
+        out.index_add_(0, tok, (y * wts[tok, slot][:, None]).double())
+    return out.float()
+
+
+def shared_expert_ref(x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+    """The shared expert (plain torch: bf16 GEMMs, f32 SiLU*up rounded to bf16), f32 [M, H]."""
+    if shared is None:
+        return None
+    g, u, d = shared
+    gu_g = (x @ g.t()).float()
+    gu_u = (x @ u.t()).float()
+    h = (torch.nn.functional.silu(gu_g) * gu_u).to(torch.bfloat16)
+    return (h @ d.t()).float()
+
+
+def _stage_configs(config: dict | None, fmt: str, E: int, H: int, I: int, top_k: int, M: int
+                   ) -> tuple[dict, dict]:
+    k1, k2 = STAGE1[fmt], STAGE2[fmt]
+    if fmt == "w4a8" and (config or {}).get("stage2_quant", "separate") == "separate":
+        k2 = moe_stage2_w4a8_pq
+    c1 = dict((config or {}).get("stage1") or config_for(k1, {"E": E, "K": H, "I": I, "TOPK": top_k}, M, None))
+    c2 = dict((config or {}).get("stage2") or config_for(k2, {"E": E, "H": H, "I": I, "TOPK": top_k}, M, None))
+    bm = c1.get("BLOCK_M", 16)
+    c1["BLOCK_M"] = bm
+    c2["BLOCK_M"] = bm  # both stages walk the same aligned blocks
+    return c1, c2
+
+
+def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEWeights,
+                  backend: str = "triton", config: dict | None = None, check_ids: bool = True) -> torch.Tensor:
+    """Routed-expert output f32 [M, H] = sum_k wts[m,k] * expert_{ids[m,k]}(x[m]).
+
+    check_ids=False skips the id range check (a host sync) when the ids come from `route`."""
+    _check_backend(backend)
+    E, H, I = w.dims()
+    M = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != H:
+        raise ValueError(f"fused_experts: hidden must be [M, H={H}], got {tuple(x.shape)}")
+    if ids.shape != wts.shape or ids.dim() != 2 or ids.shape[0] != M:
+        raise ValueError(f"fused_experts: ids and weights must both be [M={M}, top_k], got {tuple(ids.shape)} and {tuple(wts.shape)}")
+    top_k = ids.shape[1]
+    if top_k > E:
+        raise ValueError(f"fused_experts: top_k={top_k} exceeds the number of experts {E}")
+    if check_ids and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
+        raise ValueError(f"fused_experts: expert ids out of range [0, {E}): got [{int(ids.min())}, {int(ids.max())}]")
+    if w.fmt != "bf16" and H % PACK:
+        raise ValueError(f"fused_experts: hidden size {H} must be a multiple of the int4 pack factor {PACK}")
+    if backend == "torch":
+        return experts_ref(x, ids, wts, w)
+    c1, c2 = _stage_configs(config, w.fmt, E, H, I, top_k, M)
+    bm = c1["BLOCK_M"]
+    sorted_ids, bexp = moe_align(ids, E, bm, check=False)
+    S = sorted_ids.numel()
+    T = M * top_k
+    inter = torch.zeros(S, I, dtype=torch.bfloat16, device=x.device)  # padding rows stay finite
+    xb = x.to(torch.bfloat16).contiguous()
+    if w.fmt == "w4a8":
+        x8, xs = quantize_int8(xb)
+        moe_stage1_w4a8(x8, xs, w.w13, w.s13, sorted_ids, bexp, inter, top_k, config=c1)
+    elif w.fmt == "w4a16":
+        moe_stage1_w4a16(xb, w.w13, w.s13, sorted_ids, bexp, inter, top_k, config=c1)
+    else:
+        moe_stage1_bf16(xb, w.w13, sorted_ids, bexp, inter, top_k, config=c1)
+    atomic = c2.get("REDUCE", "atomic") == "atomic"
+    out = torch.zeros(M if atomic else 0, H, dtype=torch.float32, device=x.device)
+    part = torch.empty(0 if atomic else T, H, dtype=torch.float32, device=x.device)
+    tw = wts.reshape(-1).float().contiguous()
+    if w.fmt == "w4a8" and (config or {}).get("stage2_quant", "separate") == "separate":
+        from ops.quant import quant_per_token_int8
+
+        i8 = torch.empty(S, I, dtype=torch.int8, device=x.device)
+        i8s = torch.empty(S, dtype=torch.float32, device=x.device)
+        quant_per_token_int8(inter, i8, i8s)  # padding rows are quantized too but never read
+        moe_stage2_w4a8_pq(i8, i8s, w.w2, w.s2, sorted_ids, bexp, tw, out, part, top_k, config=c2)
+    else:
+        scales = (w.s2,) if w.fmt != "bf16" else ()
+        STAGE2[w.fmt](inter, w.w2, *scales, sorted_ids, bexp, tw, out, part, top_k, config=c2)
+    if atomic:
+        return out
+    res = torch.empty(M, H, dtype=torch.float32, device=x.device)
+    moe_sum(part, res, top_k)
+    return res
+
+
+STAGE1 = {"w4a8": moe_stage1_w4a8, "w4a16": moe_stage1_w4a16, "bf16": moe_stage1_bf16}
+STAGE2 = {"w4a8": moe_stage2_w4a8, "w4a16": moe_stage2_w4a16, "bf16": moe_stage2_bf16}
+
+
+def fused_moe(hidden: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, experts: MoEWeights,
+              shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              cfg: MoEConfig | None = None, backend: str = "triton", config: dict | None = None) -> torch.Tensor:
+    """One MoE layer: bf16 [M, H] -> bf16 [M, H] = routed experts + shared expert.
+
+    `config` may hold per-kernel configs under "gate", "route", "stage1", "stage2" (BLOCK_M of stage 1 is
+    used by both stages; missing ones come from the tuned files) and, for W4A8, "stage2_quant":
+    "separate" (default: quant_per_token_int8 on the intermediate, then moe_stage2_w4a8_pq) or
+    "fused" (moe_stage2_w4a8 quantizes its A tiles itself)."""
+    cfg = cfg or MoEConfig()
+    _check_backend(backend)
+    E, H, I = experts.dims()
+    if hidden.dim() != 2 or hidden.shape[1] != H:
+        raise ValueError(f"fused_moe: hidden must be [M, H={H}], got {tuple(hidden.shape)}")
+    if tuple(router_w.shape) != (E, H):
+        raise ValueError(f"fused_moe: router weight must be [E={E}, H={H}], got {tuple(router_w.shape)}")
+    if cfg.top_k > E:
+        raise ValueError(f"fused_moe: top_k={cfg.top_k} exceeds the number of experts {E}")
+    ids, wts = route(hidden, router_w, bias, cfg.top_k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+                     cfg.routed_scaling_factor, backend=backend, config=config)
+    y = fused_experts(hidden, ids, wts, experts, backend=backend, config=config, check_ids=False)
+    s = shared_expert_ref(hidden, shared)
+    if s is not None:
+        y = y + s
+    return y.to(torch.bfloat16)

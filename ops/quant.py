@@ -1,0 +1,152 @@
+"""Per-token dynamic activation quantization (the A side of W8A8, W4A8 and FP8 GEMMs).
+
+Each row (token) gets its own scale = absmax(row) / qmax, and q = round_to_nearest_even(x / scale),
+clamped to the representable range. int8 uses qmax = 127; fp8 uses the arch's native e4m3 flavour
+(`kd.fp8`: e4m3fnuz, max 240, on gfx942; e4m3fn, max 448, elsewhere).
+
+Rounding: a Triton float -> int cast truncates toward zero, so the int8 kernel rounds explicitly with
+the f32 magic-number trick ((y + 1.5*2^23) - 1.5*2^23 is y rounded to nearest even for |y| < 2^22),
+which matches `torch.round`. The float -> fp8 cast rounds to nearest even on every backend.
+"""
+from __future__ import annotations
+
+import torch
+
+import kdsl as kd
+from kdsl.ir import ctx
+
+from autotune import lookup_config
+
+ROUND_MAGIC = 12582912.0  # 1.5 * 2**23
+MIN_ABSMAX = 1e-10  # an all-zero row gets a tiny scale (its q is 0 anyway), never a division by zero
+ROW_BLOCKS = (1, 2, 4, 8, 16)
+K_BLOCKS = (64, 128, 256, 512, 1024)
+
+
+def _round_rne(y):
+    """Round an f32 tile to the nearest integer, ties to even (exact for |y| < 2^22)."""
+    return (y + ROUND_MAGIC) - ROUND_MAGIC
+
+
+def _row_absmax(x, m):
+    def body(k, amax):
+        return kd.maximum(amax, kd.max(kd.abs(x[m, k].to(kd.f32)), axis=k))
+
+    return kd.fold(kd.tiles("K", block="BLOCK_K", domain=K_BLOCKS, default=512), kd.zeros((m,), kd.f32), body)
+
+
+@kd.kernel(example={"M": 1, "K": 7168})
+def quant_per_token_int8(x: kd.In["M", "K", kd.bf16], q: kd.Out["M", "K", kd.i8], scale: kd.Out["M", kd.f32]):
+    """Per-token symmetric int8: scale = absmax/127, q = clamp(rne(x/scale), -127, 127)."""
+    (m,) = kd.grid(kd.tile("M", "BLOCK_M", domain=ROW_BLOCKS, default=1))
+    s = kd.maximum(_row_absmax(x, m), MIN_ABSMAX) / 127.0
+    scale[m] = s
+
+    def body(k, dummy):
+        y = kd.minimum(kd.maximum(x[m, k].to(kd.f32) / s, -127.0), 127.0)
+        q[m, k] = _round_rne(y).to(kd.i32).to(kd.i8)
+        return dummy
+
+    kd.fold(kd.tiles("K", block="BLOCK_K", domain=K_BLOCKS, default=512), kd.zeros((m,), kd.i32), body)
+
+
+@kd.kernel(example={"M": 1, "K": 7168})
+def quant_per_token_fp8(x: kd.In["M", "K", kd.bf16], q: kd.Out["M", "K", kd.fp8], scale: kd.Out["M", kd.f32]):
+    """Per-token fp8 in the arch-native e4m3 flavour: scale = absmax/fp8max, q = fp8(x/scale)."""
+    fmax = kd.FP8_MAX[ctx().target.fp8]
+    (m,) = kd.grid(kd.tile("M", "BLOCK_M", domain=ROW_BLOCKS, default=1))
+    s = kd.maximum(_row_absmax(x, m), MIN_ABSMAX) / fmax
+
+    scale[m] = s
+
+    def body(k, dummy):
+        y = kd.minimum(kd.maximum(x[m, k].to(kd.f32) / s, -fmax), fmax)
+        q[m, k] = y.to(kd.fp8)
+        return dummy
+
+    kd.fold(kd.tiles("K", block="BLOCK_K", domain=K_BLOCKS, default=512), kd.zeros((m,), kd.i32), body)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch references and torch-facing functions
+
+def fp8_dtype(arch: str | None = None) -> torch.dtype:
+    """The torch dtype of the native e4m3 flavour of `arch` (current target when None)."""
+    t = kd.get_target(arch or "current")
+    return {kd.fp8e4m3fn: torch.float8_e4m3fn, kd.fp8e4m3fnuz: torch.float8_e4m3fnuz}[t.fp8]
+
+
+def quant_per_token_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of `quant_per_token_int8` (same f32 math, round half to even)."""
+    xf = x.float()
+    s = xf.abs().amax(dim=-1).clamp_min(MIN_ABSMAX) / 127.0
+    q = torch.round((xf / s[:, None]).clamp(-127.0, 127.0)).to(torch.int8)
+    return q, s
+
+
+def quant_per_token_fp8_ref(x: torch.Tensor, fp8: torch.dtype = torch.float8_e4m3fn
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of `quant_per_token_fp8` for the fp8 flavour `fp8`."""
+    fmax = float(torch.finfo(fp8).max)
+    xf = x.float()
+    s = xf.abs().amax(dim=-1).clamp_min(MIN_ABSMAX) / fmax
+    q = (xf / s[:, None]).clamp(-fmax, fmax).to(fp8)
+    return q, s
+
+
+def _check_x(name: str, x: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name}: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"{name}: x must be bfloat16, got {x.dtype}")
+
+
+def quantize_int8(x: torch.Tensor, backend: str = "triton", config: dict | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token int8 quantization of bf16 x [M, K] -> (q int8 [M, K], scale f32 [M])."""
+    _check_x("quantize_int8", x)
+    if backend == "torch":
+        return quant_per_token_int8_ref(x)
+    if backend != "triton":
+        raise ValueError(f"quantize_int8: backend must be 'triton' or 'torch', got {backend!r}")
+    M, K = x.shape
+    if config is None:
+        config = lookup_config(quant_per_token_int8, kd.current_target().name, {"K": K}, M)
+    q = torch.empty(M, K, dtype=torch.int8, device=x.device)
+    s = torch.empty(M, dtype=torch.float32, device=x.device)
+    quant_per_token_int8(x, q, s, config=config)
+    return q, s
+
+
+def quantize_fp8(x: torch.Tensor, backend: str = "triton", config: dict | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token fp8 (native flavour of the current target) of bf16 x [M, K] -> (q, scale f32 [M])."""
+    _check_x("quantize_fp8", x)
+    fp8 = fp8_dtype()
+    if backend == "torch":
+        return quant_per_token_fp8_ref(x, fp8)
+    if backend != "triton":
+        raise ValueError(f"quantize_fp8: backend must be 'triton' or 'torch', got {backend!r}")
+    M, K = x.shape
+    if config is None:
+        config = lookup_config(quant_per_token_fp8, kd.current_target().name, {"K": K}, M)
+    q = torch.empty(M, K, dtype=fp8, device=x.device)
+    s = torch.empty(M, dtype=torch.float32, device=x.device)
+    quant_per_token_fp8(x, q, s, config=config)
+    return q, s
+
+
+def fp8_weight_to_native(w: torch.Tensor, w_scale: torch.Tensor, arch: str | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Convert an e4m3fn checkpoint weight (and its scale) to the native flavour of `arch`.
+
+    gfx942 computes in e4m3fnuz: the same bits are worth half as much there (bias 8 vs 7), so the
+    bits are reinterpreted, -0 (0x80, NaN in fnuz) becomes 0, and the scale is doubled (REFERENCE §3)."""
+    if w.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"fp8_weight_to_native: expected a float8_e4m3fn weight, got {w.dtype}")
+    target = fp8_dtype(arch)
+    if target == torch.float8_e4m3fn:
+        return w, w_scale
+    bits = w.view(torch.int8).clone()
+    bits[bits == -128] = 0
+    return bits.view(torch.float8_e4m3fnuz), w_scale * 2.0

@@ -1,0 +1,322 @@
+"""Autotune: buckets, the config store (lookup order, warnings, strict mode, schema errors, atomic
+writes), search-space pruning and reproducibility, the static cost model's rooflines, and
+`check` over the committed configs."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+
+import pytest
+
+import kdsl as kd
+from autotune import buckets, costmodel, store
+from autotune.problems import full_dims, model_for, parse_problem, problem_key
+from autotune.space import build
+from kdsl.targets import get_target
+
+
+@kd.kernel(name="at_test_gemm_i8", example={"M": 16, "N": 256, "K": 512})
+def at_test_gemm_i8(x: kd.In["M", "K", kd.i8], w: kd.In["N", "K", kd.i8], out: kd.Out["M", "N", kd.i32]):
+    """int8 GEMM used by the autotune tests (a BLOCK_K rule to prune by)."""
+    m, n = kd.grid(kd.tile("M", "BLOCK_M", domain=(16, 32, 64, 128, 256), default=16),
+                   kd.tile("N", "BLOCK_N", domain=(16, 32, 64, 128, 256), default=64))
+    bk = kd.tunable("BLOCK_K", (16, 32, 64, 128, 256), 64)
+    kd.require(bk % 32 == 0, "BLOCK_K must be a multiple of 32", "BLOCK_K")
+    acc = kd.fold(kd.tiles("K", block="BLOCK_K"), kd.zeros((m, n), kd.i32), lambda k, acc: acc + kd.dot(x[m, k], w[n, k]))
+    out[m, n] = acc
+
+
+K = at_test_gemm_i8
+PROB = {"N": 256, "K": 512}
+
+
+def _doc(entries, arch="gfx942", kernel="at_test_gemm_i8", problem=None):
+    return {"schema_version": store.SCHEMA_VERSION, "kernel": kernel, "arch": arch,
+            "problem": dict(problem or PROB),
+            "target": {"arch": arch, "device_name": "x", "cu_count": 304, "triton_version": "3.9"},
+            "entries": [{"bucket": b, "config": c, "figures": {"predicted_us": 1.0}} for b, c in entries],
+            "provenance": {"kernel_source_hash": store.kernel_source_hash(K), "mode": "static", "seed": 0}}
+
+
+def _write(root, doc, name=None):
+    arch = "gfx942" if isinstance(doc, str) else doc["arch"]
+    path = os.path.join(root, arch, name or store.file_name(K, doc["problem"]))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(doc if isinstance(doc, str) else json.dumps(doc))
+    return path
+
+
+# ---- buckets -----------------------------------------------------------------------------------
+
+def test_bucket_ladder():
+    assert buckets.LADDER[0] == 1 and buckets.LADDER[-1] == 8192 and buckets.BUCKETS[-1] == "any"
+    assert [buckets.bucket_for(m) for m in (1, 2, 3, 4, 5, 16, 17, 8192, 8193)] == [1, 2, 4, 4, 8, 16, 32, 8192, "any"]
+    with pytest.raises(ValueError):
+        buckets.bucket_for(0)
+    with pytest.raises(ValueError):
+        buckets.parse_bucket(3)
+
+
+def test_problem_key_and_parse():
+    assert parse_problem("N=2048,K=7168") == {"N": 2048, "K": 7168}
+    assert problem_key("gemm_w4a8", {"K": 7168, "N": 2048, "M": 3}) == "N2048_K7168"
+    assert full_dims("gemm_w4a16", {"N": 64, "K": 256}, 4) == {"N": 64, "K": 256, "G": 8, "M": 4}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        parse_problem("N2048")
+
+
+# ---- lookup ------------------------------------------------------------------------------------
+
+def test_lookup_order_smallest_bucket_then_any(tmp_path):
+    store.clear_cache()
+    root = str(tmp_path)
+    _write(root, _doc([(1, {"BLOCK_N": 16}), (4, {"BLOCK_N": 32}), (64, {"BLOCK_N": 64}), ("any", {"BLOCK_N": 128})]))
+    look = lambda m: store.lookup_config(K, "gfx942", {**PROB, "M": m}, m, root=root)  # noqa: E731
+    assert look(1) == {"BLOCK_N": 16}
+    assert look(2) == {"BLOCK_N": 32}  # bucket 2 not tuned: next bucket up
+    assert look(4) == {"BLOCK_N": 32}
+    assert look(5) == {"BLOCK_N": 64}
+    assert look(65) == {"BLOCK_N": 128}  # past the largest tuned bucket: "any"
+    assert look(100000) == {"BLOCK_N": 128}
+    # by name as well as by Kernel; the result is a copy
+    cfg = store.lookup_config("at_test_gemm_i8", "gfx942", PROB, 1, root=root)
+    cfg["BLOCK_N"] = 0
+    assert store.lookup_config("at_test_gemm_i8", "gfx942", PROB, 1, root=root) == {"BLOCK_N": 16}
+
+
+def test_lookup_default_warns_once_and_strict_raises(tmp_path):
+    store.clear_cache()
+    root = str(tmp_path)
+    with pytest.warns(UserWarning, match=store.file_name(K, PROB)):
+        assert store.lookup_config(K, "gfx950", PROB, 4, root=root) == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert store.lookup_config(K, "gfx950", PROB, 8, root=root) == {}  # no second warning
+    with pytest.raises(store.NoTunedConfig, match="searched .*gfx950"):
+        store.lookup_config(K, "gfx950", PROB, 4, strict=True, root=root)
+    # a file without a bucket >= M and without "any": defaults (strict raises)
+    _write(root, _doc([(1, {"BLOCK_N": 16})], arch="gfx942"))
+    with pytest.warns(UserWarning, match="no bucket >= M"):
+        assert store.lookup_config(K, "gfx942", PROB, 4, root=root) == {}
+    with pytest.raises(store.NoTunedConfig):
+        store.lookup_config(K, "gfx942", PROB, 4, strict=True, root=root)
+    assert store.lookup_config(K, "interpret", PROB, 4, root=root) == {}  # CPU interpreter: silent defaults
+
+
+# ---- schema errors -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda d: "{not json", "<json>"),
+    (lambda d: {**d, "schema_version": 99}, "schema_version"),
+    (lambda d: {**d, "arch": "gfx1100"}, "arch"),
+    (lambda d: {**d, "kernel": "no_such_kernel"}, "kernel"),
+    (lambda d: {**d, "problem": {"N": 256}}, "problem.K"),
+    (lambda d: {k: v for k, v in d.items() if k != "problem"}, "problem"),
+    (lambda d: {**d, "entries": [{"bucket": 3, "config": {}, "figures": {}}]}, "entries[0].bucket"),
+])
+def test_schema_errors_name_file_and_field(tmp_path, mutate, field):
+    d = mutate(_doc([(1, {})]))
+    path = _write(str(tmp_path), d if isinstance(d, str) else d, name="f.json")
+    with pytest.raises(store.ConfigFileError) as ei:
+        store.load_file(path, known_kernels={"at_test_gemm_i8": K})
+    msg = str(ei.value)
+    assert path in msg and repr(field) in msg, msg
+    assert ei.value.field == field
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    path = os.path.join(str(tmp_path), "gfx942", "x.json")
+    store.save_file(_doc([(1, {"BLOCK_N": 16})]), path)
+    before = open(path).read()
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt  # Ctrl-C in the middle of a write
+
+    monkeypatch.setattr(store.json, "dump", boom)
+    with pytest.raises(KeyboardInterrupt):
+        store.save_file(_doc([(1, {"BLOCK_N": 32})]), path)
+    assert open(path).read() == before
+    assert os.listdir(os.path.dirname(path)) == ["x.json"]
+    new = os.path.join(str(tmp_path), "gfx942", "new.json")
+    with pytest.raises(KeyboardInterrupt):
+        store.save_file(_doc([(1, {})]), new)
+    assert not os.path.exists(new)
+
+
+# ---- search space ------------------------------------------------------------------------------
+
+def test_space_prunes_invalid_configs_before_compile_and_is_seeded():
+    t = get_target("gfx942")
+    s1 = build(K, t, {}, 64, seed=3, max_candidates=12)
+    s2 = build(K, t, {}, 64, seed=3, max_candidates=12)
+    s3 = build(K, t, {}, 64, seed=4, max_candidates=12)
+    assert s1.candidates == s2.candidates and s1.hash == s2.hash
+    assert s1.candidates != s3.candidates
+    full = build(K, t, {}, 64, seed=0, max_candidates=40)
+    assert all(c["BLOCK_K"] != 16 for c in full.candidates)
+    assert any("multiple of 32" in r for r in full.pruned)
+    assert all(c["BLOCK_M"] <= 64 for c in full.candidates)  # the M tile is capped at the bucket
+    assert set(full.domains["num_stages"]) == {1, 2} and set(full.domains["kpack"]) == {1, 2}
+    assert set(build(K, get_target("gfx950"), {}, 64, seed=0, max_candidates=4).domains["kpack"]) == {1}
+    assert set(build(K, t, {}, 1, seed=0, max_candidates=4).domains["BLOCK_M"]) == {16}
+
+
+@pytest.mark.aot
+def test_search_reproducible_and_never_compiles_pruned(tmp_path, monkeypatch):
+    from autotune import search
+
+    seen = []
+    real = search._worker_report
+
+    def spy(name, arch, cfg, problem):  # runs in the forked workers: record through a file
+        with open(os.path.join(str(tmp_path), "compiled.txt"), "a") as f:
+            f.write(json.dumps(cfg) + "\n")
+        return real(name, arch, cfg, problem)
+
+    monkeypatch.setattr(search, "_worker_report", spy)
+    out = str(tmp_path / "out")
+    p1, d1 = search.tune(K, "gfx942", PROB, [1, 4], seed=7, out=out, max_candidates=3, workers=2, progress=False)
+    p2, d2 = search.tune(K, "gfx942", PROB, [1, 4], seed=7, out=str(tmp_path / "out2"), max_candidates=3, workers=2,
+                         progress=False)
+    assert [e["config"] for e in d1["entries"]] == [e["config"] for e in d2["entries"]]
+    assert [e["bucket"] for e in d1["entries"]] == [1, 4]
+    for line in open(os.path.join(str(tmp_path), "compiled.txt")):
+        seen.append(json.loads(line))
+    assert seen and all(c["BLOCK_K"] % 32 == 0 for c in seen)
+    doc = store.load_file(p1, known_kernels={K.name: K})
+    f = doc["entries"][0]["figures"]
+    assert f["predicted_us"] > 0 and 0 < f["roofline_fraction"] <= 1
+    assert doc["provenance"]["seed"] == 7 and doc["provenance"]["kernel_source_hash"] == store.kernel_source_hash(K)
+    assert doc["target"]["cu_count"] == 304
+
+
+def test_measured_mode_needs_a_gpu():
+    import torch
+
+    from autotune import search
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(RuntimeError, match="needs a GPU"):
+        search.tune(K, "gfx942", PROB, [1], mode="measured", write=False, progress=False)
+
+
+# ---- cost model --------------------------------------------------------------------------------
+
+def test_mfma_cycle_table_matches_data_sheet_peak():
+    t = get_target("gfx942")
+    assert costmodel.matrix_cycles("v_mfma_i32_32x32x16_i8", t) == pytest.approx(32, rel=0.02)
+    assert costmodel.matrix_cycles("v_mfma_i32_16x16x32_i8", t) == pytest.approx(16, rel=0.02)
+    assert costmodel.matrix_cycles("v_mfma_f32_32x32x8_bf16", t) == pytest.approx(32, rel=0.02)
+    assert costmodel.matrix_cycles("v_mfma_f32_16x16x32_fp8_fp8", t) == pytest.approx(16, rel=0.02)
+
+
+def _predict(arch, cfg, m, prob, report=None):
+    from kdsl import aot
+
+    t = get_target(arch)
+    r = report if report is not None else aot.report(K, arch, cfg, {**prob, "M": 16}).to_dict()
+    sp = K.specialize(cfg, t)
+    dims = {**prob, "M": m}
+    nbytes = prob["N"] * prob["K"] + m * prob["K"] + 4 * m * prob["N"]
+    return costmodel.predict(r, t, math.prod(sp.grid_size(dims)), math.ceil(prob["K"] / sp.config["BLOCK_K"]),
+                             nbytes, 2.0 * m * prob["N"] * prob["K"], "i8")
+
+
+@pytest.mark.aot
+def test_costmodel_large_int8_gemm_near_mfma_peak():
+    f = _predict("gfx942", {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8}, 8192,
+                 {"N": 7168, "K": 7168})
+    assert f["bound"] == "compute"
+    assert f["roofline_fraction"] > 0.8, f
+
+
+@pytest.mark.aot
+def test_costmodel_m1_gemm_near_weight_bandwidth_floor():
+    f = _predict("gfx942", {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256}, 1, {"N": 7168, "K": 7168})
+    assert f["bound"] == "memory"
+    weight_floor_us = 7168 * 7168 / (get_target("gfx942").hbm_gbps * 1e9) * 1e6
+    assert f["floor_us"] == pytest.approx(weight_floor_us, rel=0.01)
+    assert 0.5 < f["roofline_fraction"] <= 1.0, f
+
+
+def test_costmodel_spills_and_failures_rank_last():
+    base = {"ok": True, "matrix_instructions": {"v_mfma_i32_32x32x16_i8": 8}, "matrix_in_main_loop": 8,
+            "valu_instructions": 50, "valu_in_main_loop": 10, "num_warps": 4, "occupancy": 4, "spills": 0}
+    t = get_target("gfx942")
+    args = (t, 256, 112, 1e8, 2e11, "i8")
+    clean = costmodel.predict(base, *args)
+    faster_but_spills = costmodel.predict({**base, "matrix_in_main_loop": 1, "spills": 40}, *args)
+    over_lds = costmodel.predict({**base, "ok": False, "errors": ["LDS 131072 B is over the gfx942 limit"]}, *args)
+    assert math.isinf(over_lds["predicted_us"]) and over_lds["roofline_fraction"] == 0.0
+    ranked = sorted([over_lds, faster_but_spills, clean], key=costmodel.rank_key)
+    assert ranked == [clean, faster_but_spills, over_lds]
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+def test_costmodel_real_over_lds_config_ranks_last():
+    ok = _predict("gfx942", {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 256, {"N": 4096, "K": 4096})
+    big = _predict("gfx942", {"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 256, "num_warps": 16, "num_stages": 2}, 256,
+                   {"N": 4096, "K": 4096})
+    assert sorted([big, ok], key=costmodel.rank_key)[0] is ok
+
+
+# ---- committed configs ---------------------------------------------------------------------------
+
+def test_check_committed_configs_parse_and_hash():
+    from autotune.__main__ import check_files
+
+    problems: list[str] = []
+    n, bad, stale = check_files(None, compile=False, log=problems.append)
+    assert bad == 0, problems
+    if stale:  # a kernel edited after tuning: flagged (re-tune), not a failure of the file itself
+        warnings.warn(f"{stale} tuned files have a stale kernel source hash: " + "; ".join(problems))
+    for path in store.iter_files():
+        doc = store.load_file(path)
+        buckets_ = [e["bucket"] for e in doc["entries"]]
+        assert buckets_ == sorted(buckets_, key=buckets.bucket_order)
+        for e in doc["entries"]:
+            assert "roofline_fraction" in e["figures"] and ("predicted_us" in e["figures"] or "measured_us" in e["figures"])
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+def test_check_committed_configs_compile_sample():
+    from autotune.__main__ import check_files
+
+    files = store.iter_files()
+    if not files:
+        pytest.skip("no committed configs")
+    problems: list[str] = []
+    import tempfile
+    import shutil
+
+    with tempfile.TemporaryDirectory() as d:
+        for p in files[:: max(1, len(files) // 3)][:3]:
+            dst = os.path.join(d, os.path.basename(os.path.dirname(p)))
+            os.makedirs(dst, exist_ok=True)
+            shutil.copy(p, dst)
+        n, bad, _ = check_files(d, compile=True, sample=2, log=problems.append)
+    assert bad == 0, problems
+
+
+def test_cli_help_and_show(tmp_path, capsys):
+    from autotune.__main__ import main
+
+    with pytest.raises(SystemExit) as ei:
+        main(["tune", "--help"])
+    assert ei.value.code == 0
+    assert "--budget-s" in capsys.readouterr().out
+    path = os.path.join(str(tmp_path), "gfx942", store.file_name(K, PROB))
+    d = _doc([(1, {"BLOCK_N": 16}), ("any", {"BLOCK_N": 64})])
+    for e in d["entries"]:
+        e["figures"].update(roofline_fraction=0.5, floor_us=0.5, bound="memory")
+    store.save_file(d, path)
+    assert main(["show", path]) == 0
+    out = capsys.readouterr().out
+    assert "BLOCK_N=16" in out and "any" in out and "50.0%" in out
+    assert model_for("gemm_w4a8").peak_dtype == "i8"

@@ -1,0 +1,395 @@
+"""Tier 1: kdsl semantics through Triton's interpreter on CPU tensors, against torch.
+
+Small shapes with tails in every tiled dim, fresh random data, outputs poisoned before each run.
+Tolerances: integer paths and pure data movement exact; bf16 casts bit-exact against torch;
+f32 math 1e-6 relative (softmax 1e-6 absolute); bf16 dot vs float64 within 2^-22 * sum|a||b|.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import kdsl as kd
+from kdsl import types as T
+from tests.conftest import poisoned
+
+IT = "interpret"
+B16 = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# elementwise, broadcasting by axis identity, automatic masks
+
+@kd.kernel
+def i_bcast(x: kd.In["M", "N", kd.f32], s: kd.In["M", kd.f32], b: kd.In["N", kd.f32],
+            out: kd.Out["M", "N", kd.f32]):
+    m, n = kd.grid("M", "N")
+    out[m, n] = x[m, n] * s[m] + b[n]          # s over (m,), b over (n,): no [:, None] anywhere
+
+
+@kd.kernel
+def i_transpose(x: kd.In["M", "N", kd.f32], y: kd.In["N", "M", kd.f32], out: kd.Out["M", "N", kd.f32]):
+    m, n = kd.grid("M", "N")
+    out[m, n] = y[n, m] * 2.0 + x[m, n]        # y[n, m] is an (n, m) value stored into (m, n)
+
+
+@given(M=st.integers(1, 40), N=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_broadcast_tails(M, N, seed):
+    g = gen(seed)
+    x, s, b = torch.randn(M, N, generator=g), torch.randn(M, generator=g), torch.randn(N, generator=g)
+    out = poisoned((M, N), torch.float32)
+    i_bcast(x, s, b, out, config=B16)
+    torch.testing.assert_close(out, x * s[:, None] + b[None, :], rtol=1e-6, atol=1e-6)
+
+
+def test_permuted_axes_store():
+    g = gen(1)
+    M, N = 19, 23
+    x, y = torch.randn(M, N, generator=g), torch.randn(N, M, generator=g)
+    out = poisoned((M, N), torch.float32)
+    sp = i_transpose(x, y, out, config=B16)
+    assert "tl.trans(" in sp.source
+    torch.testing.assert_close(out, y.T * 2 + x, rtol=0, atol=0)
+
+
+def test_non_contiguous_strides():
+    g = gen(2)
+    big = torch.randn(30, 50, generator=g)
+    x = big[::2, 3:40]          # strided view: the launcher passes real strides
+    s, b = torch.randn(15, generator=g), torch.randn(37, generator=g)
+    out = poisoned((15, 37), torch.float32)
+    i_bcast(x, s, b, out, config=B16)
+    torch.testing.assert_close(out, x * s[:, None] + b, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# fold with tuple state: online softmax
+
+@kd.kernel
+def i_softmax(x: kd.In["M", "N", kd.f32], out: kd.Out["M", "N", kd.f32]):
+    m, = kd.grid(kd.tile("M", domain=(1, 2, 4, 8), default=4))
+
+    def step(n, m_i, l_i):
+        v = x.load(m, n, other=float("-inf"))
+        m_new = kd.maximum(m_i, kd.max(v, axis=n))
+        return m_new, l_i * kd.exp(m_i - m_new) + kd.sum(kd.exp(v - m_new), axis=n)
+
+    m_i, l_i = kd.fold(kd.tiles("N", block="BLOCK_N", domain=(8, 16), default=8),
+                       (kd.full((m,), float("-inf"), kd.f32), kd.zeros((m,), kd.f32)), step)
+
+    def write(n, c):
+        out[m, n] = kd.exp(x[m, n] - m_i) / l_i
+        return c
+
+    kd.fold(kd.tiles("N", block="BLOCK_N"), kd.zeros((m,), kd.f32), write)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_online_softmax_fold():
+    g = gen(3)
+    x = torch.randn(6, 29, generator=g) * 4
+    out = poisoned((6, 29), torch.float32)
+    i_softmax(x, out)
+    torch.testing.assert_close(out, torch.softmax(x, -1), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# reductions (masked tails take no part), exit_if, atomics, gathers
+
+@kd.kernel(static=("N",))
+def i_reduce(x: kd.In["M", "N", kd.f32], o_sum: kd.Out["M", kd.f32], o_max: kd.Out["M", kd.f32],
+             o_min: kd.Out["M", kd.f32]):
+    m, = kd.grid(kd.tile("M", domain=(4, 8), default=4))
+    n = kd.full_range("N")                     # 37 -> a 64 tile masked by n < 37
+    v = x[m, n]
+    o_sum[m] = kd.sum(v, axis=n)
+    o_max[m] = kd.max(v, axis=n)
+    o_min[m] = kd.min(v, axis=n)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_reductions_ignore_tail(sign):
+    g = gen(4)
+    x = (torch.rand(7, 37, generator=g) + 0.5) * sign    # all one sign: a masked 0 would win max/min
+    outs = [poisoned((7,), torch.float32) for _ in range(3)]
+    i_reduce(x, *outs)
+    torch.testing.assert_close(outs[0], x.sum(1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs[1], x.max(1).values) and torch.equal(outs[2], x.min(1).values)
+
+
+@kd.kernel
+def i_exit(lens: kd.In["B", kd.i32], x: kd.In["B", "N", kd.f32], out: kd.Out["B", "N", kd.f32]):
+    b, n = kd.grid(kd.each("B"), "N")
+    kd.exit_if(lens[b] == 0)                   # scalar load: b is a program index
+    out[b, n] = x[b, n] + 1.0
+
+
+def test_exit_if():
+    g = gen(5)
+    lens = torch.tensor([3, 0, 1, 0, 2], dtype=torch.int32)
+    x = torch.randn(5, 21, generator=g)
+    out = poisoned((5, 21), torch.float32)
+    i_exit(lens, x, out, config={"BLOCK_N": 16})
+    live = lens != 0
+    assert torch.equal(out[live], x[live] + 1) and torch.isnan(out[~live]).all()
+
+
+@kd.kernel
+def i_colsum_atomic(x: kd.In["M", "N", kd.i32], out: kd.InOut["N", kd.i32]):
+    m, n = kd.grid("M", "N")
+    kd.atomic_add(out, (n,), kd.sum(x[m, n], axis=m))   # every M-tile program adds into one row
+
+
+def test_atomic_add_from_several_programs():
+    g = gen(6)
+    x = torch.randint(-1000, 1000, (70, 20), generator=g, dtype=torch.int32)
+    base = torch.randint(-5, 5, (20,), generator=g, dtype=torch.int32)
+    out = base.clone()
+    sp = i_colsum_atomic(x, out, config={"BLOCK_M": 16, "BLOCK_N": 16})
+    assert sp.grid_size({"M": 70, "N": 20}) == (5, 2)
+    assert torch.equal(out, base + x.sum(0, dtype=torch.int32))
+
+
+@kd.kernel
+def i_gather(ids: kd.In["M", kd.i32], x: kd.In["T", "K", kd.f32], out: kd.Out["M", "K", kd.f32]):
+    m, k = kd.grid("M", "K")
+    out[m, k] = x[ids[m], k]                   # row gather through an index tensor
+
+
+def test_gather_through_index_tensor():
+    g = gen(7)
+    x = torch.randn(50, 24, generator=g)
+    ids = torch.randint(0, 50, (19,), generator=g, dtype=torch.int32)
+    out = poisoned((19, 24), torch.float32)
+    i_gather(ids, x, out, config={"BLOCK_M": 16, "BLOCK_K": 16})
+    assert torch.equal(out, x[ids.long()])
+
+
+@kd.kernel(static=("D",))
+def i_paged(kv: kd.In["NP", "P", "D", kd.f32], table: kd.In["S", "MP", kd.i32], out: kd.Out["S", "L", "D", kd.f32]):
+    s, pos = kd.grid(kd.each("S"), kd.tile("L", domain=(8, 16), default=8))
+    d = kd.full_range("D")
+    P = kd.dim("P")
+    page = table[s, pos // P]                  # per-position physical page: axes (pos,)
+    out[s, pos, d] = kv[page, pos % P, d]      # page and pos % P both live on pos -> tile (pos, d)
+
+
+def test_paged_gather_block_table():
+    g = gen(8)
+    NP, P, D, S, L = 12, 4, 8, 3, 13
+    kv = torch.randn(NP, P, D, generator=g)
+    MP = -(-L // P)
+    table = torch.randperm(NP, generator=g)[: S * MP].reshape(S, MP).to(torch.int32)
+    out = poisoned((S, L, D), torch.float32)
+    i_paged(kv, table, out)
+    pos = torch.arange(L)
+    ref = kv[table.long()[:, pos // P], pos % P]  # [S, L, D]
+    assert torch.equal(out, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# casts: bf16 round-to-nearest-even and round-toward-zero
+
+@kd.kernel
+def i_cast(x: kd.In["M", kd.f32], rne: kd.Out["M", kd.bf16], rtz: kd.Out["M", kd.bf16]):
+    m, = kd.grid("M")
+    v = x[m]
+    rne[m] = v.to(kd.bf16)
+    rtz[m] = v.to(kd.bf16, rounding="rtz")
+
+
+def _cast_inputs() -> torch.Tensor:
+    g = gen(9)
+    rnd = torch.randn(300, generator=g) * torch.exp2(torch.randint(-30, 30, (300,), generator=g).float())
+    bits = torch.randint(0, 1 << 15, (120,), generator=g, dtype=torch.int32) << 16
+    ties = (bits | 0x8000).view(torch.float32)            # exactly half-way: even and odd upper halves
+    near = (bits | 0x7FFF).view(torch.float32)
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-40, -3e-39, 3.4e38, float("nan")])
+    return torch.cat([rnd, ties, -ties, near, special])
+
+
+def test_bf16_rne_and_rtz_bit_exact():
+    x = _cast_inputs()
+    x = x[torch.isfinite(x) | torch.isinf(x) | torch.isnan(x)]
+    rne, rtz = poisoned(x.shape, torch.bfloat16), poisoned(x.shape, torch.bfloat16)
+    i_cast(x, rne, rtz)
+    ref_rne = x.to(torch.bfloat16)
+    fin = ~torch.isnan(x)
+    assert torch.equal(rne[fin].view(torch.int16), ref_rne[fin].view(torch.int16))
+    assert torch.isnan(rne[~fin]).all()
+    ref_rtz = (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)  # exact: low bits zero
+    assert torch.equal(rtz[fin].view(torch.int16), ref_rtz[fin].view(torch.int16))
+
+
+# ---------------------------------------------------------------------------------------------
+# dot: int8 exact, bf16 vs float64, small tiles (multiply-sum form)
+
+@kd.kernel
+def i_dot_i8(a: kd.In["M", "K", kd.i8], b: kd.In["N", "K", kd.i8], out: kd.Out["M", "N", kd.i32]):
+    m, n = kd.grid(kd.tile("M", domain=(4, 16, 32), default=16), kd.tile("N", domain=(4, 16, 32), default=16))
+    acc = kd.fold(kd.tiles("K", block="BLOCK_K", domain=(8, 16, 32), default=32), kd.zeros((m, n), kd.i32),
+                  lambda k, acc: acc + kd.dot(a[m, k], b[n, k]))
+    out[m, n] = acc
+
+
+@kd.kernel
+def i_dot_bf16(a: kd.In["M", "K", kd.bf16], b: kd.In["K", "N", kd.bf16], out: kd.Out["M", "N", kd.f32]):
+    m, n = kd.grid(kd.tile("M", domain=(16, 32), default=16), kd.tile("N", domain=(16, 32), default=16))
+    acc = kd.fold(kd.tiles("K", block="BLOCK_K", domain=(16, 32), default=32), kd.zeros((m, n), kd.f32),
+                  lambda k, acc: acc + kd.dot(a[m, k], b[k, n]))
+    out[m, n] = acc
+
+
+def _i8(shape, g):
+    return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
+
+
+@pytest.mark.parametrize("cfg,mma", [({}, True), ({"BLOCK_M": 4, "BLOCK_N": 4, "BLOCK_K": 8}, False)])
+def test_dot_int8_exact(cfg, mma):
+    g = gen(10)
+    M, N, K = 19, 21, 70
+    a, b = _i8((M, K), g), _i8((N, K), g)
+    out = poisoned((M, N), torch.int32)
+    sp = i_dot_i8(a, b, out, config=cfg)
+    assert ("tl.dot(" in sp.source) is mma and sp.stats["dot_acc_fused"] == 1   # tiles < 16: multiply + sum
+    assert torch.equal(out, a.int() @ b.int().T)
+
+
+def test_dot_bf16_vs_float64():
+    g = gen(11)
+    M, N, K = 18, 20, 75
+    a = torch.randn(M, K, generator=g).bfloat16()
+    b = torch.randn(K, N, generator=g).bfloat16()
+    out = poisoned((M, N), torch.float32)
+    i_dot_bf16(a, b, out)
+    ref = a.double() @ b.double()
+    bound = 2.0 ** -22 * (a.double().abs() @ b.double().abs()) + 1e-30   # f32 accumulation of exact products
+    assert ((out.double() - ref).abs() <= bound).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# packed int4 loads in the three packings
+
+@kd.kernel
+def i_int4_qo(w: kd.In["N", "K", kd.int4("quark_order")], out: kd.Out["N", "K", kd.i8]):
+    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
+    out[n, k] = w[n, k]
+
+
+@kd.kernel
+def i_int4_qr(w: kd.In["N", "K", kd.int4("quark_reorder")], out: kd.Out["N", "K", kd.i8]):
+    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
+    out[n, k] = w[n, k]
+
+
+@kd.kernel
+def i_int4_ct(w: kd.In["N", "K", kd.int4("ct")], out: kd.Out["N", "K", kd.i8]):
+    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
+    out[n, k] = w[n, k]
+
+
+@kd.kernel
+def i_int4_qo_bfe(w: kd.In["N", "K", kd.int4("quark_order")], out: kd.Out["N", "K", kd.i8]):
+    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
+    out[n, k] = w.load(n, k, unpack="bfe")
+
+
+@kd.kernel
+def i_int4_qr_bfe(w: kd.In["N", "K", kd.int4("quark_reorder")], out: kd.Out["N", "K", kd.i8]):
+    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
+    out[n, k] = w.load(n, k, unpack="bfe")
+
+
+@kd.kernel
+def i_int4_ct_bfe(w: kd.In["N", "K", kd.int4("ct")], out: kd.Out["N", "K", kd.i8]):
+    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
+    out[n, k] = w.load(n, k, unpack="bfe")
+
+
+def pack_ref(q: torch.Tensor, pack: str) -> torch.Tensor:
+    """Independent packer: nibble i of each int32 word holds element order[i] of its group of 8."""
+    order = {"quark_order": [0, 1, 2, 3, 4, 5, 6, 7], "quark_reorder": [0, 2, 4, 6, 1, 3, 5, 7],
+             "ct": [0, 1, 2, 3, 4, 5, 6, 7]}[pack]
+    nib = (q.long() + 8) if pack == "ct" else (q.long() & 0xF)
+    g = nib.reshape(*q.shape[:-1], -1, 8)
+    word = torch.zeros(g.shape[:-1], dtype=torch.long)
+    for i, e in enumerate(order):
+        word |= g[..., e] << (4 * i)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+@pytest.mark.parametrize("kern,pack", [(i_int4_qo, "quark_order"), (i_int4_qr, "quark_reorder"), (i_int4_ct, "ct"),
+                                       (i_int4_qo_bfe, "quark_order"), (i_int4_qr_bfe, "quark_reorder"),
+                                       (i_int4_ct_bfe, "ct")])
+def test_int4_unpack(kern, pack):
+    g = gen(12)
+    N, K = 7, 40                                   # K tail: 40 = 2.5 tiles of 16
+    q = torch.randint(-8, 8, (N, K), generator=g, dtype=torch.int8)
+    q[0, :8] = torch.tensor([-8, 7, -1, 0, 1, -7, 6, -2], dtype=torch.int8)
+    out = poisoned((N, K), torch.int8)
+    kern(pack_ref(q, pack), out)
+    assert torch.equal(out, q)
+
+
+def test_int4_pack_ref_known_word():
+    # element e = e+1 for e in 0..7: quark_order puts element i in nibble i
+    q = torch.arange(1, 9, dtype=torch.int8)[None]
+    assert pack_ref(q, "quark_order").item() == 0x87654321 - 2**32
+    assert pack_ref(q, "quark_reorder").item() == 0x86427531 - 2**32
+    assert pack_ref(q - 8, "ct").item() == 0x87654321 - 2**32
+
+
+# ---------------------------------------------------------------------------------------------
+# more than one kernel per op: split reduction + combine
+
+@kd.kernel
+def i_split_partial(x: kd.In["M", "N", kd.f32], part: kd.Out["S", "M", kd.f32], S: kd.Dim):
+    m, s = kd.grid(kd.tile("M", domain=(4, 8), default=4), kd.each("S"))
+    chunk = kd.cdiv(kd.dim("N"), S)
+    start = s * chunk
+    acc = kd.fold(kd.tiles(start=start, stop=kd.minimum(start + chunk, kd.dim("N")), block=8, label="N"),
+                  kd.zeros((m,), kd.f32),
+                  lambda n, acc: acc + kd.sum(x.load(m, n, mask=n < start + chunk), axis=n))
+    part[s, m] = acc
+
+
+@kd.kernel
+def i_split_combine(part: kd.In["S", "M", kd.f32], out: kd.Out["M", kd.f32]):
+    m, = kd.grid(kd.tile("M", domain=(4, 8), default=4))
+    out[m] = kd.fold(kd.tiles("S", block=1), kd.zeros((m,), kd.f32), lambda s, acc: acc + kd.sum(part[s, m], axis=s))
+
+
+def test_split_then_combine():
+    g = gen(13)
+    M, N, S = 9, 45, 3
+    x = torch.randn(M, N, generator=g)
+    part, out = poisoned((S, M), torch.float32), poisoned((M,), torch.float32)
+    i_split_partial(x, part, S)
+    i_split_combine(part, out)
+    ref_part = torch.stack([c.sum(1) for c in x.split(-(-N // S), dim=1)])
+    torch.testing.assert_close(part, ref_part, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, x.sum(1), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# generated source: DSL line comments and the dot-accumulate fusion
+
+def test_source_points_to_dsl_lines():
+    src = i_bcast.source(B16)
+    lines, first = inspect.getsourcelines(i_bcast.fn)
+    line_no = first + next(i for i, l in enumerate(lines) if "out[m, n] = x[m, n] * s[m] + b[n]" in l)
+    assert f"# test_kdsl_interp.py:{line_no}: out[m, n] = x[m, n] * s[m] + b[n]" in src
+    assert f"source: {inspect.getsourcefile(i_bcast.fn)}:{first}" in src
+
+
+def test_dot_accumulate_fusion_fires():
+    src = i_dot_i8.source({}, "gfx942")
+    assert "acc=" in src and "passes: {'dot_acc_fused': 1" in src

@@ -1,0 +1,152 @@
+"""MLA decode/verify over the paged latent cache (interpreter, small latent dims 32+16, H=4).
+
+Tolerances: the kernel rounds probabilities to bf16 before the PV product (like every bf16 flash
+kernel) and writes bf16: against the float64 reference, atol 1e-2 on O(1) outputs. With
+PV_F32=1 and an f32 output, every split count must agree with the single split to fp32
+rounding (atol 2e-6)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from ops import mla
+from tests.conftest import poisoned
+
+DL, DR, H, PS = 32, 16, 4, 8
+SCALE = 0.25
+TOL = dict(atol=1e-2, rtol=0)
+
+
+def _setup(lens, q_len, seed=0, heads=H, dl=DL, dr=DR, ps=PS):
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    mp = max(-(-n // ps) for n in lens) + 1
+    npages = B * mp + 3
+    kv = torch.randn(npages, ps, dl + dr, generator=g).bfloat16()
+    bt = torch.randperm(npages, generator=g)[: B * mp].view(B, mp).to(torch.int32)  # scattered pages
+    q = torch.randn(B, q_len, heads, dl + dr, generator=g).bfloat16()
+    return q, kv, bt, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_mla_matches_reference_across_pages(q_len: int) -> None:
+    q, kv, bt, lens = _setup([7, 8, 9, 25], q_len, heads=H if q_len == 1 else 2)  # below/at/past a page boundary
+    ref = mla.mla_decode_ref(q, kv, bt, lens, SCALE, DL)
+    out = mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, splits=2, config={"BLOCK_N": 16})
+    assert out.dtype == torch.bfloat16 and out.shape == (4, q_len, q.shape[2], DL)
+    torch.testing.assert_close(out.double(), ref, **TOL)
+
+
+@settings(max_examples=4)
+@given(splits=st.integers(2, 8), q_len=st.sampled_from([1, 4]))
+def test_splits_equal_single_split(splits: int, q_len: int) -> None:
+    q, kv, bt, lens = _setup([q_len + 3, 29], q_len, seed=splits, heads=2)
+    cfg = {"BLOCK_N": 16, "PV_F32": 1}
+    one = mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, splits=1, out_dtype=torch.float32, config=cfg)
+    many = mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, splits=splits, out_dtype=torch.float32, config=cfg)
+    torch.testing.assert_close(many, one, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(many.double(), mla.mla_decode_ref(q, kv, bt, lens, SCALE, DL), atol=1e-5, rtol=1e-5)
+
+
+def test_causal_rows_differ_and_last_row_sees_all() -> None:
+    q, kv, bt, lens = _setup([20], 4, seed=3)
+    q[:, :] = q[:, :1]  # same query in every row: rows then differ only through the causal limit
+    out = mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, splits=1, out_dtype=torch.float32,
+                         config={"BLOCK_N": 16, "PV_F32": 1})
+    full = mla.mla_decode(q[:, :1], kv, bt, lens, SCALE, latent_dim=DL, splits=1, out_dtype=torch.float32,
+                          config={"BLOCK_N": 16, "PV_F32": 1})
+    torch.testing.assert_close(out[:, 3], full[:, 0], atol=2e-6, rtol=0)
+    assert (out[:, 0] - out[:, 3]).abs().max() > 1e-3
+
+
+def test_tree_mask() -> None:
+    q, kv, bt, lens = _setup([11, 26], 4, seed=5)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.int8)
+    tm = torch.stack([tree, torch.eye(4, dtype=torch.int8)])
+    ref = mla.mla_decode_ref(q, kv, bt, lens, SCALE, DL, tree_mask=tm)
+    out = mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, tree_mask=tm, splits=3, config={"BLOCK_N": 16})
+    torch.testing.assert_close(out.double(), ref, **TOL)
+    causal = mla.mla_decode_ref(q, kv, bt, lens, SCALE, DL)
+    assert (ref - causal).abs().max() > 1e-2  # the mask matters
+    # a lower-triangular tree is the causal case
+    tri = torch.ones(2, 4, 4, dtype=torch.int8).tril()
+    out_tri = mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, tree_mask=tri, splits=1, config={"BLOCK_N": 16})
+    out_c = mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, splits=1, config={"BLOCK_N": 16})
+    assert torch.equal(out_tri, out_c)
+
+
+def test_kernels_write_every_element() -> None:
+    q, kv, bt, lens = _setup([5, 30], 1, seed=7)
+    S = 8  # more splits than the short sequence has tokens: empty splits must still write
+    part = poisoned((2, 1, H, S, DL), torch.float32)
+    lse = poisoned((2, 1, H, S), torch.float32)
+    mla.mla_decode_split(q, kv, bt, lens, part, lse, SCALE, H, DR, config={"BLOCK_N": 16})
+    assert not part.isnan().any() and not lse.isnan().any()
+    assert torch.isinf(lse[0, 0, :, 5:]).all()  # chunk 1 token: splits 5.. of a 5-token sequence are empty
+    out = poisoned((2, 1, H, DL), torch.bfloat16)
+    mla.mla_decode_combine(part, lse, out, H)
+    torch.testing.assert_close(out.double(), mla.mla_decode_ref(q, kv, bt, lens, SCALE, DL), **TOL)
+
+
+def test_cache_append() -> None:
+    g = torch.Generator().manual_seed(11)
+    cache = torch.randn(6, PS, DL + DR, generator=g).bfloat16()
+    want = cache.clone()
+    new = torch.randn(5, DL + DR, generator=g).bfloat16()
+    slots = torch.tensor([3, 8, -1, 47, 15])
+    mla.append_latent(cache, new, slots, config={"BLOCK_D": 64})
+    mla.append_latent(want, new, slots, backend="torch")
+    assert torch.equal(cache, want)
+    assert torch.equal(cache[5, 7], new[3])
+
+
+def test_append_then_decode_matches_reference() -> None:
+    """The verify flow: append q_len new latents at the end of each sequence, then attend."""
+    q, kv, bt, lens = _setup([9, 17], 2, seed=13)
+    new = torch.randn(4, DL + DR).bfloat16()
+    slots = torch.tensor([int(bt[b, p // PS]) * PS + p % PS for b in range(2) for p in (int(lens[b]) - 2, int(lens[b]) - 1)])
+    mla.append_latent(kv, new, slots)
+    ref = mla.mla_decode_ref(q, kv, bt, lens, SCALE, DL)
+    torch.testing.assert_close(mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, config={"BLOCK_N": 16}).double(),
+                               ref, **TOL)
+
+
+def test_num_splits() -> None:
+    assert mla.num_splits([100], 1, 64, cu_count=304) == 1            # short: never below 256 tokens a split
+    assert mla.num_splits([8192], 1, 64, cu_count=304) == 32          # 4 programs for 304 CUs: split a lot
+    assert mla.num_splits([8192] * 64, 1, 64, cu_count=304) == 3      # 256 programs already
+    assert mla.num_splits([32768] * 64, 4, 64, cu_count=304) == 1     # q_len 4: 1024 programs
+
+
+def test_bad_inputs() -> None:
+    q, kv, bt, lens = _setup([20], 1)
+    with pytest.raises(ValueError, match="block table too short"):
+        mla.mla_decode(q, kv, bt[:, :2], lens, SCALE, latent_dim=DL)
+    with pytest.raises(ValueError, match="head dims do not match"):
+        mla.mla_decode(q, kv[..., :40], bt, lens, SCALE, latent_dim=DL)
+    q9 = torch.randn(1, 9, H, DL + DR).bfloat16()
+    with pytest.raises(ValueError, match="q_len must be 1..8"):
+        mla.mla_decode(q9, kv, bt, torch.tensor([20]), SCALE, latent_dim=DL)
+    with pytest.raises(ValueError, match=">= q_len"):
+        mla.mla_decode(torch.randn(1, 4, H, DL + DR).bfloat16(), kv, bt, torch.tensor([3]), SCALE, latent_dim=DL)
+    with pytest.raises(ValueError, match="diagonal"):
+        mla.mla_decode(torch.randn(1, 2, H, DL + DR).bfloat16(), kv, bt, lens, SCALE, latent_dim=DL,
+                       tree_mask=torch.zeros(1, 2, 2, dtype=torch.int8))
+    with pytest.raises(Exception, match="q_len must be 1..8"):  # the kernel's own launch check
+        mla.mla_decode_split(q9, kv, bt, torch.tensor([20], dtype=torch.int32),
+                             torch.empty(1, 9, H, 1, DL), torch.empty(1, 9, H, 1), SCALE, 9 * H, DR)
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950", "sm90"])
+@pytest.mark.parametrize("name", ["mla_decode_split", "mla_decode_combine", "mla_cache_append"])
+def test_aot_kimi_shape(arch: str, name: str) -> None:
+    """Kimi shape (H=64, 512+64 latent, page 64) at the default config: compiles, no spills, LDS fits."""
+    from kdsl import aot
+
+    r = aot.check(getattr(mla, name), arch)
+    assert r.spills == 0 and r.lds_bytes <= r.lds_limit
+    if name == "mla_decode_split" and arch.startswith("gfx"):
+        assert r.lds_bytes <= 65536 and r.matrix_in_main_loop > 0
