@@ -25,6 +25,7 @@ from .space import build
 from .store import SCHEMA_VERSION, file_path, kernel_source_hash, load_file, save_file
 
 DEFAULT_MAX_CANDIDATES = 32
+GRACE_S = 15.0  # how long compiles already running may finish after the budget
 
 
 def _worker_report(name: str, arch: str, config: dict[str, Any], problem: dict[str, Any]) -> dict[str, Any]:
@@ -149,6 +150,9 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
             if not submit_next():
                 break
         while futs:
+            if deadline is not None and time.monotonic() > deadline + GRACE_S:
+                budget_hit = True
+                break  # compiles still running past the budget are abandoned (workers killed below)
             done, _ = cf.wait(list(futs), timeout=1.0, return_when=cf.FIRST_COMPLETED)
             for f in done:
                 k = futs.pop(f)
@@ -167,7 +171,12 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     finally:
         if bar:
             bar.close()
-    ex.shutdown(wait=True)
+    if futs:
+        for p in list((getattr(ex, "_processes", None) or {}).values()):
+            p.terminate()
+        ex.shutdown(wait=False, cancel_futures=True)
+    else:
+        ex.shutdown(wait=True)
 
     entries = []
     for b in buckets:

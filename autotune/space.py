@@ -26,7 +26,10 @@ OPTION_DOMAINS: dict[str, dict[str, tuple[Any, ...]]] = {
 # Accumulator elements per lane above which a config spills for sure (AMD: 512 VGPR+AGPR per
 # lane; NVIDIA: 255 registers), so it is not worth a compile.
 ACC_PER_LANE_LIMIT = {"hip": 256, "cuda": 128, "interpret": 1 << 30}
-RULES_VERSION = 1
+# Multiply-adds per lane in one main-loop step above which the unrolled body takes minutes to
+# compile and spills anyway (e.g. 256x256x256 tiles on 4 warps).
+UNROLL_LIMIT = 16384
+RULES_VERSION = 2
 
 
 def option_domains(target: Target) -> dict[str, tuple[Any, ...]]:
@@ -84,6 +87,14 @@ def _acc_per_lane(sp: Any) -> float:
     return prod / (sp.options.get("num_warps", 4) * sp.target.warp_size)
 
 
+def _macs_per_lane(sp: Any) -> float:
+    """Multiply-adds per lane in one main-loop step (grid tiles x the K block), 0 without BLOCK_K."""
+    bk = sp.config.get("BLOCK_K")
+    if not isinstance(bk, int):
+        return 0.0
+    return _acc_per_lane(sp) * bk
+
+
 def build(kernel: Any, target: Target, static: dict[str, int], m: int | str | None, seed: int,
           max_candidates: int | None = None, m_block: str = "BLOCK_M") -> Space:
     """Enumerate (or seeded-sample) the space for one bucket, pruning invalid configs by tracing."""
@@ -112,6 +123,11 @@ def build(kernel: Any, target: Target, static: dict[str, int], m: int | str | No
             sp = kernel.specialize(c, target, static)
         except KdslError as e:
             key = f"rule: {e.rule}"[:120]
+            pruned[key] = pruned.get(key, 0) + 1
+            continue
+        macs = _macs_per_lane(sp)
+        if macs > UNROLL_LIMIT:
+            key = f"main-loop body > {UNROLL_LIMIT} MACs per lane (huge unrolled body: slow compile, spills)"
             pruned[key] = pruned.get(key, 0) + 1
             continue
         if _acc_per_lane(sp) > limit:

@@ -47,7 +47,10 @@ class Specialization:
             mod, _ = write_and_import(self.kernel.name, self.source)
             jf = getattr(mod, self.kernel.name)
             if self.target.backend == "interpret":
-                self._fn = _Interpreted(jf.fn)
+                from triton.runtime.interpreter import InterpretedFunction
+
+                # the emitter lowers tl.sum/max/min/sigmoid (JITFunctions) to interpretable forms
+                self._fn = InterpretedFunction(jf.fn)
             else:
                 self._fn = jf
         return self._fn
@@ -285,7 +288,12 @@ class Kernel:
 
     def __call__(self, *args: Any, config: dict[str, Any] | None = None, target: str | Target | None = None,
                  **kwargs: Any) -> Specialization:
-        target = get_target(target) if target is not None else _current()
+        if target is None:  # CPU tensors run on the interpreter, GPU tensors on the current GPU
+            on_cpu = any(isinstance(a, torch.Tensor) and a.device.type == "cpu"
+                         for a in (*args, *kwargs.values()))
+            target = get_target("interpret") if on_cpu else _current()
+        else:
+            target = get_target(target)
         bound, dims = self.bind(args, kwargs, target)
         static = {d: dims[d] for d in self.static}
         sp = self.specialize(config, target, static)
@@ -321,41 +329,6 @@ def _param_sources(sig: T.Signature, params: list[tuple[str, Any]]) -> dict[str,
         if name not in out:
             out[name] = ("scalar", name, 0) if name in sig.scalars else ("dim", name, 0)
     return out
-
-
-class _Interpreted:
-    """Triton's interpreter for a kernel whose module was imported without TRITON_INTERPRET.
-
-    Library helpers such as `tl.sum`, `tl.max` and `tl.sigmoid` are `@jit` functions that were
-    decorated as JITFunctions, which refuse to be called outside a compiled kernel. While an
-    interpreted launch runs, a call to any JITFunction is routed to the interpreter instead
-    (what TRITON_INTERPRET=1 would have done at import time)."""
-
-    _wrapped: dict[Any, Any] = {}
-
-    def __init__(self, fn: Callable) -> None:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        self.inner = InterpretedFunction(fn)
-
-    def __getitem__(self, grid: Any) -> Callable:
-        def launch(*args: Any, **kwargs: Any) -> Any:
-            from triton.runtime.interpreter import InterpretedFunction
-            from triton.runtime.jit import JITFunction
-
-            def call(jf: Any, *a: Any, **k: Any) -> Any:
-                f = _Interpreted._wrapped.get(jf)
-                if f is None:
-                    f = _Interpreted._wrapped[jf] = InterpretedFunction(jf.fn)
-                return f(*a, **k)
-
-            saved = JITFunction.__call__
-            JITFunction.__call__ = call  # type: ignore[method-assign]
-            try:
-                return self.inner[grid](*args, **kwargs)
-            finally:
-                JITFunction.__call__ = saved  # type: ignore[method-assign]
-        return launch
 
 
 _CURRENT: list[Target] = []

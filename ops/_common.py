@@ -1,4 +1,4 @@
-"""Helpers shared by the attention/norm ops (owned by the attention helper)."""
+"""Helpers shared by the attention and norm ops."""
 from __future__ import annotations
 
 from typing import Any

@@ -7,11 +7,15 @@ Pipeline of `fused_moe` (backend="triton"):
    *unbiased* scores of the chosen experts, / (sum + 1e-20) when norm_topk_prob, × routed_scaling_factor.
    Top-k is k rounds of argmax-and-mask over the whole (padded) expert tile; ties go to the lower id.
 2. Per-token int8 quantization (W4A8 only): `ops.quant.quant_per_token_int8` (absmax/127, RNE).
-3. Expert align (`moe_align`, **plain torch ops on the device, not a kdsl kernel**): the (token, k)
-   rows sorted by expert into BLOCK_M-padded blocks, a block->expert map (-1 = unused block) and a
-   sentinel row id T = M*top_k for padding. No host sync: the grid is the worst-case block count
-   cdiv(T, BLOCK_M) + min(E, T) and stages exit early (kd.exit_if) on unused blocks; at M=1 that is
-   8 blocks of which 8 are used.
+3. Expert align (`moe_align`, kdsl: `moe_align_blocks` then `moe_align_scatter`, after a torch
+   sentinel fill): the (token, k) rows sorted by expert (stable) into BLOCK_M-padded blocks, a
+   block->expert map (-1 = unused block) and the sentinel row id T = M*top_k for padding.
+   `moe_align_blocks` (one program) counts rows per expert by comparison against all ids, takes the
+   exclusive prefix sum of the padded counts in chunks of 16 experts and writes the block map;
+   `moe_align_scatter` ranks each row among earlier rows of its expert. No atomics, deterministic,
+   and no host sync: the grid is the worst-case block count cdiv(T, BLOCK_M) + min(E, T) and the
+   stages exit early (kd.exit_if) on unused blocks; at M=1 that is 8 blocks, all used.
+   backend="torch" gives the same arrays with bincount/argsort.
 4. Stage 1 (`moe_stage1_{w4a8,w4a16,bf16}`): per block, gate and up GEMMs against the block's expert
    (int8 x int4 -> i32 MFMA for W4A8; int4 dequantized to bf16 with group-32 scales for W4A16),
    per-token x per-channel scales, SiLU(gate)*up, stored as a **bf16 intermediate** [S, I].
@@ -19,8 +23,8 @@ Pipeline of `fused_moe` (backend="triton"):
    intermediate is quantized to int8 per row (absmax/127, RNE): by default with
    `quant_per_token_int8` over the [S, I] intermediate and then `moe_stage2_w4a8_pq` (main loop =
    unpack + i32 MFMA only); with config "stage2_quant": "fused", `moe_stage2_w4a8` quantizes its A
-   tiles itself (one launch less, but ~2x the main-loop VALU: every wave re-quantizes the A tile). The routing weight is applied and the top-k rows are summed
-   per token either by `kd.atomic_add` into an f32 [M, H] buffer (REDUCE="atomic") or by storing a
+   tiles itself (one launch less, but ~2x the main-loop VALU: every wave re-quantizes the A tile).
+   The routing weight is applied and the top-k rows are summed per token either by `kd.atomic_add` into an f32 [M, H] buffer (REDUCE="atomic") or by storing a
    partial [T, H] buffer reduced by `moe_sum` (REDUCE="partial"); REDUCE is a tunable of stage 2.
 6. Shared expert: plain torch (bf16 GEMMs, f32 SiLU) — noted; output = routed (f32) + shared, cast to bf16.
 
@@ -33,14 +37,11 @@ Weight formats (`MoEWeights.fmt`):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 import kdsl as kd
-from kdsl.ir import ctx
 
 from ops._common import config_for
 from ops.quant import MIN_ABSMAX, _round_rne, quant_per_token_int8_ref, quantize_int8
@@ -289,13 +290,20 @@ def _k_tiles(dim: str, default: int = 128):
     return kd.tiles(dim, block="BLOCK_K", domain=K_BLOCKS, default=default)
 
 
+def _unpack() -> str:
+    """The int4 unpack lowering (kdsl `load(..., unpack=)`), tuned like a tile size."""
+    return kd.tunable("INT4_UNPACK", ("shift", "bfe"), "bfe", "int4 nibble extraction: shifts or bit-field extracts")
+
+
 def _w4a8_gate_up(x, w13, e, n, tok, valid):
     """The W4A8 stage-1 main loop: i32 accumulators of gate and up (shared by the debug kernel)."""
     I = kd.dim("I")
+    how = _unpack()
 
     def body(k, ag, au):
         a = x.load(tok, k, mask=valid)
-        return ag + kd.dot(a, w13[e, n, k]), au + kd.dot(a, w13[e, n + I, k])
+        return (ag + kd.dot(a, w13.load(e, n, k, unpack=how)),
+                au + kd.dot(a, w13.load(e, n + I, k, unpack=how)))
 
     z = kd.zeros((tok, n), kd.i32)
     return kd.fold(_k_tiles("K"), (z, z), body)
@@ -421,11 +429,12 @@ def moe_stage2_w4a8(inter: kd.In["S", "I", kd.bf16], w2: kd.In["E", "H", "I", kd
         return kd.maximum(a, kd.max(kd.abs(inter.load(rows, k, mask=valid).to(kd.f32)), axis=k))
 
     a_s = kd.maximum(kd.fold(_k_tiles("I"), kd.zeros((rows,), kd.f32), amax_body), MIN_ABSMAX) / 127.0
+    how = _unpack()
 
     def body(k, acc):
         y = kd.minimum(kd.maximum(inter.load(rows, k, mask=valid).to(kd.f32) / a_s, -127.0), 127.0)
         q = _round_rne(y).to(kd.i32).to(kd.i8)
-        return acc + kd.dot(q, w2[e, n, k])
+        return acc + kd.dot(q, w2.load(e, n, k, unpack=how))
 
     acc = kd.fold(_k_tiles("I"), kd.zeros((rows, n), kd.i32), body)
     _s2_epilogue(acc * a_s * s2[e, n], tid, valid, n, topk_w, out, partial)
@@ -442,8 +451,10 @@ def moe_stage2_w4a8_pq(inter: kd.In["S", "I", kd.i8], inter_s: kd.In["S", kd.f32
     e, rows, tid = _block_rows(sorted_ids, block_expert, b)
     valid = tid < kd.dim("T")
 
+    how = _unpack()
+
     def body(k, acc):
-        return acc + kd.dot(inter.load(rows, k, mask=valid), w2[e, n, k])
+        return acc + kd.dot(inter.load(rows, k, mask=valid), w2.load(e, n, k, unpack=how))
 
     acc = kd.fold(_k_tiles("I"), kd.zeros((rows, n), kd.i32), body)
     _s2_epilogue(acc * inter_s[rows] * s2[e, n], tid, valid, n, topk_w, out, partial)
@@ -650,7 +661,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEW
         return experts_ref(x, ids, wts, w)
     c1, c2 = _stage_configs(config, w.fmt, E, H, I, top_k, M)
     bm = c1["BLOCK_M"]
-    sorted_ids, bexp = moe_align(ids, E, bm, check=False)
+    sorted_ids, bexp = moe_align(ids, E, bm, check=False)  # the kdsl align kernels
     S = sorted_ids.numel()
     T = M * top_k
     inter = torch.zeros(S, I, dtype=torch.bfloat16, device=x.device)  # padding rows stay finite
@@ -671,7 +682,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEW
 
         i8 = torch.empty(S, I, dtype=torch.int8, device=x.device)
         i8s = torch.empty(S, dtype=torch.float32, device=x.device)
-        quant_per_token_int8(inter, i8, i8s)  # padding rows are quantized too but never read
+        cq = config_for(quant_per_token_int8, {"K": I}, S, (config or {}).get("quant"))
+        quant_per_token_int8(inter, i8, i8s, config=cq)  # padding rows are quantized too but never read
         moe_stage2_w4a8_pq(i8, i8s, w.w2, w.s2, sorted_ids, bexp, tw, out, part, top_k, config=c2)
     else:
         scales = (w.s2,) if w.fmt != "bf16" else ()
@@ -692,7 +704,7 @@ def fused_moe(hidden: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, 
               cfg: MoEConfig | None = None, backend: str = "triton", config: dict | None = None) -> torch.Tensor:
     """One MoE layer: bf16 [M, H] -> bf16 [M, H] = routed experts + shared expert.
 
-    `config` may hold per-kernel configs under "gate", "route", "stage1", "stage2" (BLOCK_M of stage 1 is
+    `config` may hold per-kernel configs under "gate", "route", "stage1", "stage2", "quant" (BLOCK_M of stage 1 is
     used by both stages; missing ones come from the tuned files) and, for W4A8, "stage2_quant":
     "separate" (default: quant_per_token_int8 on the intermediate, then moe_stage2_w4a8_pq) or
     "fused" (moe_stage2_w4a8 quantizes its A tiles itself)."""

@@ -320,3 +320,13 @@ def test_cli_help_and_show(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "BLOCK_N=16" in out and "any" in out and "50.0%" in out
     assert model_for("gemm_w4a8").peak_dtype == "i8"
+
+
+def test_costmodel_splitting_m_does_not_buy_weight_bandwidth():
+    """Programs that differ only in their M tile re-read the same weights: no extra HBM parallelism."""
+    rep = {"ok": True, "matrix_instructions": {}, "matrix_in_main_loop": 0, "valu_instructions": 100,
+           "valu_in_main_loop": 10, "num_warps": 4, "occupancy": 4, "spills": 0}
+    t = get_target("gfx942")
+    one = costmodel.predict(rep, t, 36, 28, 8e6, 1e7, "bf16", m_tiles=1, m_bytes_fraction=0.001)
+    two = costmodel.predict(rep, t, 72, 28, 8e6, 2e7, "bf16", m_tiles=2, m_bytes_fraction=0.002)
+    assert two["terms"]["memory_us"] == pytest.approx(one["terms"]["memory_us"], rel=0.01)

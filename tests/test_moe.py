@@ -21,7 +21,8 @@ from tests.conftest import poisoned
 
 SMALL = dict(E=16, top_k=4, H=64, I=32)
 # interpreter-sized tiles (the kernel defaults are GPU-sized and 4x slower to interpret here)
-FAST = {"stage1": {"BLOCK_N": 32, "BLOCK_K": 64}, "stage2": {"BLOCK_N": 64, "BLOCK_K": 32}}
+FAST = {"stage1": {"BLOCK_N": 32, "BLOCK_K": 64}, "stage2": {"BLOCK_N": 64, "BLOCK_K": 32},
+        "quant": {"BLOCK_M": 16, "BLOCK_K": 64}}
 KIMI_SMALL = dict(E=384, top_k=8, H=64, I=32)
 
 
@@ -134,8 +135,8 @@ def test_align_invariants(E, M, K, bm):
 # ----------------------------------------------------------------------------------------------
 # stage kernels: W4A8 exact in int32
 
-@pytest.mark.parametrize("M", [1, 5])
-def test_stage1_w4a8_i32_exact(M):
+@pytest.mark.parametrize("M,unpack", [(1, "bfe"), (5, "bfe"), (5, "shift")])
+def test_stage1_w4a8_i32_exact(M, unpack):
     E, H, I, K = 16, 64, 32, 4
     W = make_weights("w4a8", E, H, I)
     g = torch.Generator().manual_seed(3)
@@ -143,7 +144,7 @@ def test_stage1_w4a8_i32_exact(M):
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(torch.int32)
     sid, bexp = moe.moe_align(ids, E, 16)
     ag, au = poisoned((sid.numel(), I), torch.int32), poisoned((sid.numel(), I), torch.int32)
-    moe.moe_stage1_w4a8_acc(x8, W.w13, sid, bexp, ag, au, K)
+    moe.moe_stage1_w4a8_acc(x8, W.w13, sid, bexp, ag, au, K, config={"INT4_UNPACK": unpack, "BLOCK_K": 32})
     acc = torch.cat([ag, au], 1)
     from ops.packing import unpack_int4
 
@@ -193,9 +194,9 @@ def test_experts_formats(fmt, M, shape, reduce):
     W = make_weights(fmt, shape["E"], shape["H"], shape["I"])
     x, wg, bias = make_inputs(M, shape["E"], shape["H"], seed=10 + M)
     ids, wts = moe.route(x, wg, bias, shape["top_k"], backend="torch", routed_scaling_factor=2.827)
-    cfg = {"stage1": FAST["stage1"], "stage2": {**FAST["stage2"], "REDUCE": reduce}}
+    cfg = {**FAST, "stage2": {**FAST["stage2"], "REDUCE": reduce}}
     if M == 16:
-        cfg = {"stage2": {"REDUCE": reduce}}  # one run at the kernel defaults
+        cfg = {"stage2": {"REDUCE": reduce}, "quant": FAST["quant"]}  # one run at the GEMM kernel defaults
     if M == 7:
         cfg["stage2_quant"] = "fused"  # W4A8: stage 2 quantizes its own A tiles
     y = moe.fused_experts(x, ids, wts, W, config=cfg)
@@ -210,7 +211,7 @@ def test_experts_ragged_w4a8(M, bm):
     W = make_weights("w4a8", 16, 64, 32, seed=M)
     x, wg, bias = make_inputs(M, 16, 64, seed=M)
     ids, wts = moe.route(x, wg, bias, 4, backend="torch")
-    y = moe.fused_experts(x, ids, wts, W, config={"stage1": {**FAST["stage1"], "BLOCK_M": bm}, "stage2": FAST["stage2"]})
+    y = moe.fused_experts(x, ids, wts, W, config={**FAST, "stage1": {**FAST["stage1"], "BLOCK_M": bm}})
     ref = moe.fused_experts(x, ids, wts, W, backend="torch")
     torch.testing.assert_close(y, ref, atol=1e-2 * ref.abs().max().item(), rtol=0)
 

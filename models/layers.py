@@ -1,0 +1,115 @@
+"""Building blocks shared by the target and draft: linear over every weight format, norms, MLP.
+
+Backends:
+- "torch": plain float math in the model's compute dtype (float32 by default), from weights
+  dequantized once at build time (models.formats.dequantize). This is the reference path: routing
+  is fragile (REFERENCE §1), so comparisons are done in float32.
+- "triton": the kdsl kernels in ops/ (interpreter on CPU), bf16 activations:
+  dense -> ops.gemm.gemm_bf16; int4 compressed-tensors group 32 -> ops.gemm.linear_w4a16;
+  int4 Quark per-channel -> ops.gemm.linear_w4a8 (per-token int8 activations); fp8 -> ops.gemm.linear_fp8.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from models.formats import QuantLinear, Weight, dequantize
+
+__all__ = ["BACKENDS", "check_backend", "Linear", "RMSNorm", "MLP", "act_dtype"]
+
+BACKENDS = ("torch", "triton")
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def act_dtype(backend: str, dtype: torch.dtype) -> torch.dtype:
+    """Activation dtype the backend computes in: kernels take bf16; torch uses the model dtype."""
+    return torch.bfloat16 if backend == "triton" else dtype
+
+
+class Linear:
+    """y = x @ W^T for W dense or a QuantLinear, dispatched per format and backend."""
+
+    def __init__(self, name: str, w: Weight, backend: str = "torch", dtype: torch.dtype = torch.float32):
+        self.name, self.backend, self.dtype = name, check_backend(backend), dtype
+        self.raw = w
+        if isinstance(w, QuantLinear):
+            self.out_features, self.in_features = w.shape
+        else:
+            if w.dim() != 2:
+                raise ValueError(f"{name}: a linear weight must be 2-D, got {tuple(w.shape)}")
+            self.out_features, self.in_features = w.shape
+        self.dense: Optional[torch.Tensor] = None
+        if backend == "torch":
+            self.dense = dequantize(w, torch.float32).to(dtype)
+        elif not isinstance(w, QuantLinear):
+            self.dense = w.to(torch.bfloat16).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{self.name}: input width {x.shape[-1]} != weight in_features {self.in_features}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.backend == "torch":
+            y = x2.to(self.dtype) @ self.dense.T
+        else:
+            y = self._triton(x2.to(torch.bfloat16).contiguous())
+        return y.reshape(*lead, self.out_features)
+
+    def _triton(self, x: torch.Tensor) -> torch.Tensor:
+        from ops import gemm
+
+        if x.shape[0] == 0:
+            return torch.zeros(0, self.out_features, dtype=torch.bfloat16)
+        w = self.raw
+        if not isinstance(w, QuantLinear):
+            return gemm.gemm_bf16(x, self.dense, backend="triton")
+        if w.kind == "int4" and w.pack == "ct" and w.group == 32:
+            return gemm.linear_w4a16(x, w.packed, w.scale.to(torch.bfloat16), backend="triton")
+        if w.kind == "int4" and w.group == 0 and w.pack in ("quark_reorder", "quark_order"):
+            return gemm.linear_w4a8(x, w.packed, w.scale.float(), pack=w.pack, backend="triton")
+        if w.kind == "fp8":
+            return gemm.linear_fp8(x, w.packed, w.scale.float(), backend="triton")
+        raise NotImplementedError(f"{self.name}: no triton linear for {w.kind}/{w.pack}/group {w.group} "
+                                  f"({w.source}) yet")
+
+
+class RMSNorm:
+    def __init__(self, w: torch.Tensor, eps: float, backend: str = "torch", dtype: torch.dtype = torch.float32):
+        self.backend, self.eps = check_backend(backend), float(eps)
+        self.w = w.to(torch.float32 if backend == "torch" else torch.bfloat16)
+        self.dtype = dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "torch":
+            xf = x.float()
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.w
+            return y.to(self.dtype)
+        from ops.norm import rms_norm
+
+        xb = x.to(torch.bfloat16)
+        if xb.numel() == 0:
+            return xb
+        return rms_norm(xb.contiguous(), self.w, self.eps, backend="triton")
+
+
+class MLP:
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, gate: Linear, up: Linear, down: Linear, backend: str = "torch"):
+        self.gate, self.up, self.down, self.backend = gate, up, down, backend
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.gate(x), self.up(x)
+        if self.backend == "torch":
+            h = torch.nn.functional.silu(g) * u
+        else:
+            from ops.norm import silu_and_mul
+
+            h = silu_and_mul(torch.cat([g, u], -1).contiguous(), backend="triton") if g.numel() else g
+        return self.down(h)

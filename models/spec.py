@@ -1,0 +1,405 @@
+"""Speculative decoding engine with an EAGLE-3 draft (REFERENCE §4), and plain decoding through it.
+
+Cache invariant per sequence slot b (between steps): the target and draft caches both hold L rows,
+positions [0, L), where L = len(prompt) + len(generated) - 1; the last generated token (the "root")
+is not yet cached. The draft's row at position p pairs the target aux hidden of p with the token at
+p + 1 and predicts the token at p + 2 (the draft input is the sequence shifted by one).
+
+Chain step (topk=1, k = steps):
+1. draft: d1 comes from the last draft row (prefill / extend); d2..dk from k-1 single-token steps on
+   the carried pre-norm state (rows L .. L+k-2, speculative).
+2. verify: ONE target forward over [root, d1..dk] at positions L..L+k (causal among the new rows).
+3. greedy acceptance: a = longest prefix with d_{j+1} == argmax(logits[j]); bonus = argmax(logits[a]);
+   commit d1..da, bonus (cut at eos / max tokens).
+4. KV bookkeeping: target length := L + a + 1 (rows of rejected drafts become invisible); draft
+   length := L (its speculative rows are dropped), then the draft is extended over
+   [d1..da, bonus] with the target aux rows of [root, d1..da] at positions L..L+a.
+
+Sampled acceptance (temperature > 0, optional top-p), with the deterministic (argmax) draft: accept d_j
+with probability p_target(d_j) (temperature / top-p applied to the target row); on the first
+rejection sample from p_target with d_j zeroed and renormalised; if all k are accepted sample the bonus
+from the last row. The committed tokens are then distributed exactly as the target's sampled decoding.
+
+Tree (topk = K > 1, greedy only, torch draft attention): every draft step expands the K best
+frontier nodes to their top-K children (score = sum of draft log-probs); the best N-1 nodes (N =
+draft_tokens, ancestors always included) plus the root are verified in ONE target forward with
+positions L + depth and a tree mask (prefix + ancestors + self). Greedy walk from the root; the
+accepted path's target KV rows are moved to positions L+1..L+a, the rest is truncated.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+__all__ = ["SpecParams", "Metrics", "GenResult", "Engine"]
+
+
+@dataclass
+class SpecParams:
+    """steps = k draft tokens per verify (chain); draft_tokens must be k + 1 for a chain."""
+    steps: int = 3
+    topk: int = 1
+    draft_tokens: Optional[int] = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Tokens per verify, root included (chain: steps + 1; tree default: 1 + steps * topk, capped)."""
+        if self.draft_tokens is not None:
+            return self.draft_tokens
+        return self.steps + 1 if self.topk == 1 else min(1 + self.steps * self.topk,
+                                                         1 + self.topk + (self.steps - 1) * self.topk ** 2)
+
+    def validate(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.topk < 1:
+            raise ValueError(f"--topk must be >= 1, got {self.topk}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.topk > 1:
+            if self.temperature > 0:
+                raise NotImplementedError("sampled acceptance with tree drafting (topk > 1, temperature > 0) is not "
+                                          "implemented yet; use --topk 1 or --temperature 0")
+            most = 1 + self.topk + (self.steps - 1) * self.topk * self.topk
+            if not 2 <= self.num_draft_tokens <= most:
+                raise ValueError(f"--draft-tokens must be in [2, {most}] for a tree of topk {self.topk} and "
+                                 f"{self.steps} steps (root included), got {self.num_draft_tokens}")
+            return
+        dt = self.num_draft_tokens
+        if dt != self.steps + 1:
+            raise ValueError(f"--draft-tokens must be steps + 1 = {self.steps + 1} for chain drafting (topk 1), got {dt}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Metrics:
+    """Decode-step metrics (prefill-only steps excluded)."""
+    mode: str
+    steps: int = 0                     # per-sequence verify (or plain decode) steps
+    batched_forwards: int = 0          # target forward calls after prefill
+    committed: int = 0                 # tokens committed by those steps (bonus included)
+    accepted: int = 0                  # accepted draft tokens
+    k: int = 0
+    per_position: list[int] = field(default_factory=list)
+    histogram: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    generated: int = 0                 # all generated tokens (incl. the one from prefill)
+    batch: int = 0
+
+    @property
+    def accept_length(self) -> float:
+        return self.committed / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / (self.k * self.steps) if self.steps and self.k else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [c / self.steps if self.steps else 0.0 for c in self.per_position]
+
+    @property
+    def target_forwards_per_token(self) -> float:
+        return self.steps / self.committed if self.committed else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.committed / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def time_per_output_token_ms(self) -> float:
+        """Decode wall time / mean committed tokens per sequence (each sequence's view)."""
+        per_seq = self.committed / self.batch if self.batch else 0
+        return 1000.0 * self.decode_s / per_seq if per_seq else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "accept_length": self.accept_length, "acceptance_rate": self.acceptance_rate,
+                "per_position_acceptance": self.per_position_acceptance, "accept_histogram": self.histogram,
+                "target_forwards_per_token": self.target_forwards_per_token, "tokens_per_s": self.tokens_per_s,
+                "time_per_output_token_ms": self.time_per_output_token_ms, "verify_steps": self.steps,
+                "batched_target_forwards": self.batched_forwards, "decode_tokens": self.committed,
+                "generated_tokens": self.generated, "prefill_s": self.prefill_s, "decode_s": self.decode_s}
+
+
+@dataclass
+class GenResult:
+    outputs: list[list[int]]           # generated tokens per prompt (eos included when hit)
+    metrics: Metrics
+    target_cache: Any = None
+    draft_cache: Any = None
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Sampling distribution of one target row: softmax(logits / T), restricted to the top-p nucleus."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    if top_p < 1.0:
+        sp, idx = p.sort(descending=True)
+        keep = (sp.cumsum(-1) - sp) < top_p          # smallest prefix whose mass reaches top_p
+        sp = sp * keep
+        p = torch.zeros_like(p).scatter_(-1, idx, sp)
+    return p / p.sum(-1, keepdim=True)
+
+
+def sample_accept(logits: torch.Tensor, drafts: list[int], temperature: float, top_p: float,
+                  gen: torch.Generator) -> tuple[int, int]:
+    """Sampled chain acceptance for a deterministic draft: (accepted count a, next token)."""
+    for j, d in enumerate(drafts):
+        p = target_probs(logits[j], temperature, top_p)
+        if float(torch.rand((), generator=gen, dtype=torch.float64)) < float(p[d]):
+            continue
+        p[d] = 0.0
+        return j, int(torch.multinomial(p / p.sum(), 1, generator=gen))
+    p = target_probs(logits[len(drafts)], temperature, top_p)
+    return len(drafts), int(torch.multinomial(p, 1, generator=gen))
+
+
+class Engine:
+    """Batched chain speculative decoding (mode "spec") and plain greedy decoding (mode "plain")."""
+
+    def __init__(self, target: Any, draft: Any = None, page_size: int = 16):
+        self.target, self.draft, self.page_size = target, draft, page_size
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, mode: str = "spec",
+                 params: Optional[SpecParams] = None, eos_id: Optional[int] = None,
+                 progress: Optional[Callable[[int], None]] = None, seed: int = 0) -> GenResult:
+        """Decode every prompt to max_new_tokens (or eos). Greedy when params.temperature == 0, else
+        sampled (torch.Generator seeded with `seed`)."""
+        params = params or SpecParams()
+        rng = torch.Generator().manual_seed(seed)
+        T, P = params.temperature, params.top_p
+
+        def pick(row: torch.Tensor) -> int:
+            if T == 0:
+                return int(row.argmax())
+            return int(torch.multinomial(target_probs(row, T, P), 1, generator=rng))
+
+        params.validate()
+        if mode not in ("spec", "plain"):
+            raise ValueError(f"mode must be 'spec' or 'plain', got {mode!r}")
+        if mode == "spec" and self.draft is None:
+            raise ValueError("spec mode needs a draft model")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        k = params.steps if mode == "spec" else 0
+        B = len(prompts)
+        tree = mode == "spec" and params.topk > 1
+        cap = max(len(p) for p in prompts) + max_new_tokens + k + 2
+        if tree:
+            cap += params.num_draft_tokens + params.topk * params.topk * params.steps
+        tc = self.target.new_cache(B, cap, self.page_size)
+        dc = self.draft.new_cache(B, cap, self.page_size) if mode == "spec" else None
+        m = Metrics(mode, k=k, per_position=[0] * k, histogram=[0] * (k + 1), batch=B)
+        gen: list[list[int]] = [[] for _ in range(B)]
+        done = [False] * B
+        tick = progress or (lambda n: None)
+
+        def commit(b: int, toks: list[int]) -> int:
+            n = 0
+            for t in toks:
+                gen[b].append(int(t))
+                n += 1
+                if (eos_id is not None and int(t) == eos_id) or len(gen[b]) >= max_new_tokens:
+                    done[b] = True
+                    break
+            tick(n)
+            return n
+
+        # ---- prefill (target, then the draft over the prompt shifted by one)
+        t0 = time.perf_counter()
+        out = self.target.forward(tc, [(b, list(p)) for b, p in enumerate(prompts)])
+        nxt: dict[int, int] = {}
+        carry: dict[int, torch.Tensor] = {}
+        root_lg: dict[int, torch.Tensor] = {}
+        for b in range(B):
+            commit(b, [pick(out.logits[b][-1])])
+        if mode == "spec":
+            live = [b for b in range(B) if not done[b]]
+            if live:
+                res = self.draft.forward(dc, [(b, list(prompts[b][1:]) + [gen[b][-1]], out.aux[b]) for b in live])
+                for b, (lg, y) in zip(live, res):
+                    nxt[b] = int(self.draft.to_target(lg[-1].argmax()))
+                    carry[b] = y[-1:]
+                    root_lg[b] = lg[-1]
+        m.prefill_s = time.perf_counter() - t0
+
+        # ---- decode
+        t0 = time.perf_counter()
+        while True:
+            live = [b for b in range(B) if not done[b]]
+            if not live:
+                break
+            if mode == "plain":
+                out = self.target.forward(tc, [(b, [gen[b][-1]]) for b in live])
+                m.batched_forwards += 1
+                for i, b in enumerate(live):
+                    m.steps += 1
+                    m.histogram[0] += 1
+                    m.committed += commit(b, [pick(out.logits[i][-1])])
+                continue
+            L = {b: tc.table.lengths[b] for b in live}
+            if tree:
+                ext = self._tree_round(live, L, gen, root_lg, carry, tc, dc, params, m, commit, done)
+                if ext:
+                    res = self.draft.forward(dc, ext)
+                    for (b, _, _), (lg, y) in zip(ext, res):
+                        carry[b] = y[-1:]
+                        root_lg[b] = lg[-1]
+                continue
+            drafts = {b: [nxt[b]] for b in live}
+            for _ in range(k - 1):
+                res = self.draft.forward(dc, [(b, [drafts[b][-1]], carry[b]) for b in live])
+                for b, (lg, y) in zip(live, res):
+                    drafts[b].append(int(self.draft.to_target(lg[-1].argmax())))
+                    carry[b] = y[-1:]
+            out = self.target.forward(tc, [(b, [gen[b][-1]] + drafts[b]) for b in live])
+            m.batched_forwards += 1
+            ext = []
+            for i, b in enumerate(live):
+                ds = drafts[b]
+                if T == 0:
+                    pred = out.logits[i].argmax(-1).tolist()
+                    a = 0
+                    while a < k and ds[a] == pred[a]:
+                        a += 1
+                    nxt_tok = pred[a]
+                else:
+                    a, nxt_tok = sample_accept(out.logits[i], ds, T, P, rng)
+                for j in range(a):
+                    m.per_position[j] += 1
+                m.steps += 1
+                m.accepted += a
+                m.histogram[a] += 1
+                new = ds[:a] + [nxt_tok]
+                m.committed += commit(b, new)
+                tc.table.truncate(b, L[b] + a + 1)
+                dc.table.truncate(b, L[b])
+                if not done[b]:
+                    ext.append((b, new, out.aux[i][: a + 1]))
+            if ext:
+                res = self.draft.forward(dc, ext)
+                for (b, _, _), (lg, y) in zip(ext, res):
+                    nxt[b] = int(self.draft.to_target(lg[-1].argmax()))
+                    carry[b] = y[-1:]
+                    root_lg[b] = lg[-1]
+        m.decode_s = time.perf_counter() - t0
+        m.generated = sum(len(g) for g in gen)
+        return GenResult(gen, m, tc, dc)
+
+    def _tree_round(self, live, L, gen, root_lg, carry, tc, dc, params: SpecParams, m: Metrics, commit, done):
+        """One tree draft + verify + greedy walk for every live sequence; returns the draft extensions."""
+        K, steps, N = params.topk, params.steps, params.num_draft_tokens
+        # nodes[b]: dicts(tok, parent (-1 = root), depth, score, row (draft spec row index or None), carry_in)
+        nodes: dict[int, list[dict]] = {}
+        frontier: dict[int, list[int]] = {}
+        for b in live:
+            lp = torch.log_softmax(root_lg[b].float(), -1)
+            top = lp.topk(min(K, lp.numel()))
+            nodes[b] = [dict(tok=int(self.draft.to_target(i)), parent=-1, depth=1, score=float(v), row=None,
+                             hin=carry[b]) for v, i in zip(top.values, top.indices)]
+            frontier[b] = list(range(len(nodes[b])))
+        for _ in range(steps - 1):
+            batch, views = [], []
+            for b in live:
+                base = L[b]
+                cur = dc.table.lengths[b]
+                fr = frontier[b]
+                vis = torch.zeros(len(fr), cur + len(fr), dtype=torch.bool)
+                vis[:, :base] = True
+                for r, ni in enumerate(fr):
+                    vis[r, cur + r] = True
+                    p = nodes[b][ni]["parent"]
+                    while p >= 0:
+                        vis[r, nodes[b][p]["row"]] = True
+                        p = nodes[b][p]["parent"]
+                    nodes[b][ni]["row"] = cur + r
+                batch.append((b, [nodes[b][ni]["tok"] for ni in fr], torch.cat([nodes[b][ni]["hin"] for ni in fr], 0)))
+                views.append(([base + nodes[b][ni]["depth"] - 1 for ni in fr], vis))
+            res = self.draft.forward(dc, batch, views)
+            for b, (lg, y) in zip(live, res):
+                cands = []
+                lps = torch.log_softmax(lg.float(), -1)
+                for r, ni in enumerate(frontier[b]):
+                    top = lps[r].topk(min(K, lps.shape[-1]))
+                    for v, i in zip(top.values, top.indices):
+                        cands.append(dict(tok=int(self.draft.to_target(i)), parent=ni, depth=nodes[b][ni]["depth"] + 1,
+                                          score=nodes[b][ni]["score"] + float(v), row=None, hin=y[r:r + 1]))
+                first = len(nodes[b])
+                nodes[b].extend(cands)
+                order = sorted(range(first, len(nodes[b])), key=lambda j: -nodes[b][j]["score"])
+                frontier[b] = order[:K]
+        # pick the tree: best N-1 nodes by score, closed under ancestors, parents first
+        vbatch, trees, picked = [], [], {}
+        for b in live:
+            nd = nodes[b]
+            chosen: list[int] = []
+            for j in sorted(range(len(nd)), key=lambda j: (-nd[j]["score"], nd[j]["depth"])):
+                path = []
+                p = j
+                while p >= 0 and p not in chosen:
+                    path.append(p)
+                    p = nd[p]["parent"]
+                if len(chosen) + len(path) <= N - 1:
+                    chosen.extend(path)
+                if len(chosen) >= N - 1:
+                    break
+            chosen.sort(key=lambda j: (nd[j]["depth"], -nd[j]["score"]))
+            idx = {j: r + 1 for r, j in enumerate(chosen)}      # row 0 = root
+            n = len(chosen) + 1
+            mask = torch.zeros(n, n, dtype=torch.bool)
+            mask[:, 0] = True
+            depths = [0]
+            for j in chosen:
+                r = idx[j]
+                p = j
+                while p >= 0:
+                    mask[r, idx[p]] = True
+                    p = nd[p]["parent"]
+                depths.append(nd[j]["depth"])
+            picked[b] = (chosen, idx)
+            vbatch.append((b, [gen[b][-1]] + [nd[j]["tok"] for j in chosen]))
+            trees.append((depths, mask))
+        out = self.target.forward(tc, vbatch, trees=trees)
+        m.batched_forwards += 1
+        ext = []
+        for i, b in enumerate(live):
+            nd = nodes[b]
+            chosen, idx = picked[b]
+            pred = out.logits[i].argmax(-1).tolist()
+            rows, path_toks = [0], []
+            cur, cur_node = 0, -1
+            while True:
+                want = pred[cur]
+                child = next((j for j in chosen if nd[j]["parent"] == cur_node and nd[j]["tok"] == want), None)
+                if child is None:
+                    break
+                path_toks.append(want)
+                cur_node, cur = child, idx[child]
+                rows.append(cur)
+            a = len(path_toks)
+            bonus = pred[cur]
+            for j in range(min(a, m.k)):
+                m.per_position[j] += 1
+            m.steps += 1
+            m.accepted += a
+            m.histogram[min(a, m.k)] += 1
+            m.committed += commit(b, path_toks + [bonus])
+            # move the accepted rows' KV to positions L+1..L+a, drop the rest
+            ps = tc.table.page_size
+            src = tc.table.slots(b, L[b], len(chosen) + 1)[torch.tensor(rows)]
+            dst = tc.table.slots(b, L[b], a + 1)
+            for kv in tc.kv:
+                kv[dst // ps, dst % ps] = kv[src // ps, src % ps].clone()
+            tc.table.truncate(b, L[b] + a + 1)
+            dc.table.truncate(b, L[b])
+            if not done[b]:
+                ext.append((b, path_toks + [bonus], out.aux[i][torch.tensor(rows)]))
+        return ext

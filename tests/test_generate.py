@@ -1,0 +1,114 @@
+"""`python -m models.generate`: embedded default, --json keys, lossless, clear errors for bad flags/paths."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from models import generate as G
+
+
+@pytest.fixture()
+def cache_home(tmp_path_factory, monkeypatch):
+    d = tmp_path_factory.getbasetemp() / "xdg"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(d))
+    n = torch.get_num_threads()
+    yield d
+    torch.set_num_threads(n)
+
+
+def test_json_default_is_lossless(cache_home, capsys):
+    rc = G.main(["--json", "--max-new-tokens", "6", "--batch", "3", "--steps", "2"])
+    out = capsys.readouterr()
+    assert rc == 0
+    r = json.loads(out.out)
+    for key in ("lossless", "accept_length", "acceptance_rate", "per_position_acceptance", "target_forwards_per_token",
+                "tokens_per_s_spec", "tokens_per_s_plain", "outputs"):
+        assert key in r
+    assert r["lossless"] is True and len(r["outputs"]) == 3 and len(r["per_position_acceptance"]) == 2
+    assert 1.0 <= r["accept_length"] <= 3.0
+    assert all(len(o["spec_ids"]) == 6 for o in r["outputs"])
+    assert (cache_home / "kdsl" / "fixtures" / "kimi-k25-seed0" / "config.json").exists()
+    assert "spec (torch)" in out.err           # the progress bar goes to stderr
+
+
+def test_report_and_prompt_flag(cache_home, capsys):
+    assert G.main(["--max-new-tokens", "4", "--prompt", "hello", "--prompt", "wörld"]) == 0
+    out = capsys.readouterr().out
+    assert "lossless (spec == plain greedy): true" in out and "accept length" in out and "'wörld'" in out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--top-p", "1.5"], "--top-p must be in"),
+    (["--backend", "cuda"], "invalid choice"),
+    (["--target", "/nonexistent"], "--target and --draft go together"),
+    (["--target", "/nonexistent", "--draft", "/nonexistent2"], "no such directory"),
+])
+def test_bad_flags(cache_home, capsys, argv, msg):
+    with pytest.raises(SystemExit) as e:
+        G.main(argv)
+    err = capsys.readouterr().err + str(e.value)
+    assert msg in err
+
+
+@pytest.mark.parametrize("argv,msg", [(["--topk", "2", "--temperature", "0.5"], "not implemented yet"),
+                                      (["--topk", "2", "--draft-tokens", "30"], "--draft-tokens must be in"),
+                                      (["--draft-tokens", "9"], "--draft-tokens must be steps + 1")])
+def test_unimplemented_or_inconsistent(cache_home, capsys, argv, msg):
+    assert G.main(argv) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_target_dir_without_config(cache_home, tmp_path, capsys):
+    with pytest.raises(SystemExit, match="no config.json"):
+        G.main(["--target", str(tmp_path), "--draft", str(tmp_path)])
+
+
+def test_byte_tokenizer_roundtrip():
+    tok = G.ByteTokenizer(512)
+    s = "héllo, wörld"
+    assert tok.decode(tok.encode(s)) == s
+    assert tok.decode([104, 300, 105]) == "h<300>i"
+
+
+def test_module_entry_point(cache_home):
+    """The README command itself (subprocess), on the torch backend."""
+    p = subprocess.run([sys.executable, "-m", "models.generate", "--json", "--max-new-tokens", "4", "--batch", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout)["lossless"] is True
+
+
+def test_sampled_run(cache_home, capsys):
+    assert G.main(["--json", "--temperature", "0.8", "--top-p", "0.9", "--max-new-tokens", "5", "--batch", "2",
+                   "--seed", "3"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["lossless"] is None and all(len(o["spec_ids"]) == 5 for o in r["outputs"])
+
+
+def test_tree_run(cache_home, capsys):
+    assert G.main(["--json", "--topk", "2", "--steps", "3", "--draft-tokens", "6", "--max-new-tokens", "6",
+                   "--batch", "2"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["lossless"] is True and r["topk"] == 2
+
+
+@pytest.mark.parametrize("tkind,dkind", [("kimi-k25-w4a8", "eagle3-fp8"), ("kimi-k25-bf16", "eagle3-int4")])
+def test_other_checkpoint_formats(tmp_path, capsys, tkind, dkind):
+    """--target/--draft with the other fixture formats (Quark W4A8 experts, bf16, FP8 / INT4 drafts)."""
+    from models.fixtures import write_fixture
+
+    write_fixture(tkind, tmp_path / "t", seed=3)
+    write_fixture(dkind, tmp_path / "d", seed=4)
+    n = torch.get_num_threads()
+    try:
+        assert G.main(["--json", "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"),
+                       "--max-new-tokens", "5", "--batch", "2"]) == 0
+    finally:
+        torch.set_num_threads(n)
+    assert json.loads(capsys.readouterr().out)["lossless"] is True
