@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import kdsl as kd
-from ops._common import config_for
+from ops._common import check_paged_lengths, config_for
 from ops.mla import LOG2E, MAX_Q_LEN, MAX_SPLITS, NEG_BIG, _combine_body, num_splits
 
 _EX = {"B": 1, "QL": 1, "HQ": 64, "KVH": 64, "D": 128, "NP": 4096, "PS": 64, "MP": 128, "S": 8,
@@ -109,16 +109,7 @@ def _check(q, k_cache, v_cache, block_table, seq_lens) -> None:
         raise ValueError(f"mha_decode: head dims do not match: q has {D}, cache has {k_cache.shape[-1]}")
     if HQ % k_cache.shape[2]:
         raise ValueError(f"mha_decode: q heads {HQ} must be a multiple of kv heads {k_cache.shape[2]}")
-    if block_table.dim() != 2 or block_table.shape[0] != B or seq_lens.shape != (B,):
-        raise ValueError(f"mha_decode: block_table must be [B={B}, max_pages] and seq_lens [B], got "
-                         f"{tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
-    lens = seq_lens.tolist()
-    if min(lens) < QL:
-        raise ValueError(f"mha_decode: every sequence length must be >= q_len={QL}, got {lens}")
-    cap = block_table.shape[1] * k_cache.shape[1]
-    if max(lens) > cap:
-        raise ValueError(f"mha_decode: block table too short: {block_table.shape[1]} pages x page size "
-                         f"{k_cache.shape[1]} = {cap} tokens < sequence length {max(lens)}")
+    check_paged_lengths("mha_decode", block_table, seq_lens, k_cache.shape[1], B, QL)
 
 
 def mha_decode_ref(q, k_cache, v_cache, block_table, seq_lens, sm_scale: float) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 import kdsl as kd
 from kdsl.targets import current_target
-from ops._common import config_for
+from ops._common import check_paged_lengths, config_for
 
 LOG2E = 1.4426950408889634
 MAX_Q_LEN = 8
@@ -191,17 +191,7 @@ def _check(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_len
                          f"cache is {tuple(kv.shape)} (want [pages, page_size, {DQ}])")
     if not 0 < latent_dim < DQ:
         raise ValueError(f"mla_decode: latent_dim {latent_dim} must be in (0, {DQ})")
-    if block_table.dim() != 2 or block_table.shape[0] != B:
-        raise ValueError(f"mla_decode: block_table must be [B={B}, max_pages], got {tuple(block_table.shape)}")
-    if seq_lens.shape != (B,):
-        raise ValueError(f"mla_decode: seq_lens must be [B={B}], got {tuple(seq_lens.shape)}")
-    lens = seq_lens.tolist()
-    if min(lens) < QL:
-        raise ValueError(f"mla_decode: every sequence length must be >= q_len={QL} (the new rows are cached), got {lens}")
-    cap = block_table.shape[1] * kv.shape[1]
-    if max(lens) > cap:
-        raise ValueError(f"mla_decode: block table too short: {block_table.shape[1]} pages x page size "
-                         f"{kv.shape[1]} = {cap} tokens < sequence length {max(lens)}")
+    check_paged_lengths("mla_decode", block_table, seq_lens, kv.shape[1], B, QL)
     if tree_mask is not None:
         if tree_mask.shape != (B, QL, QL):
             raise ValueError(f"mla_decode: tree_mask must be [B, q_len, q_len] = {(B, QL, QL)}, got {tuple(tree_mask.shape)}")
