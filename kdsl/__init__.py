@@ -19,6 +19,7 @@ from .lang import (  # noqa: F401
 )
 from .errors import KdslError, ConfigError, LaunchError, TraceError, CompileError  # noqa: F401
 from .kernel import Kernel, Specialization, kernel, REGISTRY  # noqa: F401
+from .record import LaunchRecord, recording  # noqa: F401
 from .targets import Target, TARGETS, AOT_TARGETS, get_target, current_target  # noqa: F401
 
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from . import record
 from . import types as T
 from .cache import write_and_import
 from .emit import emit_module
@@ -219,7 +220,8 @@ class Kernel:
         return self.specialize(config, target, static).source
 
     # -- launching -------------------------------------------------------------------------------
-    def bind(self, args: tuple, kwargs: dict, target: Target) -> tuple[dict[str, Any], dict[str, int]]:
+    def bind(self, args: tuple, kwargs: dict, target: Target, check_device: bool = True
+             ) -> tuple[dict[str, Any], dict[str, int]]:
         sig = self.signature
         names = sig.order
         if len(args) > len(names):
@@ -276,7 +278,7 @@ class Kernel:
         for s in sig.scalars:
             if not isinstance(bound[s], (int, float)):
                 raise LaunchError(self.name, s, f"scalar argument must be a number, got {bound[s]!r}")
-        if device is not None:
+        if device is not None and check_device:
             if target.backend == "interpret" and device.type != "cpu":
                 raise LaunchError(self.name, None, f"the interpret target runs on CPU tensors, got {device}")
             if target.backend != "interpret" and device.type != "cuda":
@@ -288,6 +290,9 @@ class Kernel:
 
     def __call__(self, *args: Any, config: dict[str, Any] | None = None, target: str | Target | None = None,
                  **kwargs: Any) -> Specialization:
+        rec = record.active()
+        if rec is not None:
+            return self._record(rec, args, kwargs, config)
         if target is None:  # CPU tensors run on the interpreter, GPU tensors on the current GPU
             on_cpu = any(isinstance(a, torch.Tensor) and a.device.type == "cpu"
                          for a in (*args, *kwargs.values()))
@@ -313,6 +318,13 @@ class Kernel:
                 flat.append(dims[ref])
         opts = backend_options(self.name, target, sp.options)
         sp.fn[grid](*flat, **opts)
+        return sp
+
+    def _record(self, rec: "record.Recorder", args: tuple, kwargs: dict, config: dict[str, Any] | None) -> Specialization:
+        """Record mode: bind and check as a launch would (any device), specialize, log, run nothing."""
+        bound, dims = self.bind(args, kwargs, rec.target, check_device=False)
+        sp = self.specialize(config, rec.target, {d: dims[d] for d in self.static})
+        rec.launches.append(record.LaunchRecord(self, dict(sp.config), dict(dims), sp.grid_size(dims), rec.target.name))
         return sp
 
 

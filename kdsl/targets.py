@@ -129,8 +129,15 @@ def get_target(name: str | Target) -> Target:
 
 
 def current_target() -> Target:
-    """The target that a launch on this machine uses: the GPU if torch sees one, else the interpreter."""
+    """The target that a launch on this machine uses: the GPU if torch sees one, else the interpreter
+    (inside `kdsl.record.recording(t)`: t)."""
     import torch
+
+    from .record import active
+
+    rec = active()
+    if rec is not None:
+        return rec.target
 
     if not torch.cuda.is_available():
         return INTERPRET
