@@ -11,24 +11,35 @@
   about one copy of the weights (plus one tensor's temporaries). A shard's map is closed as soon as
   all its tensors are read.
 - Every expected tensor is checked against the shapes the config implies (errors name the tensor).
+- Untrusted input (issue 11.5): the index may only name regular files inside the checkpoint
+  directory (no absolute paths or `..`; a symlink is followed, as in the HF hub cache, but must end at
+  a regular file); a tensor stored in two shards, or listed in the index but absent from its shard, is
+  an error; every safetensors failure is re-raised as a LoadError naming the shard file. Before any
+  tensor is read, the config's parameter count must fit the shard bytes (>= 0.5 byte per parameter,
+  the int4 minimum), so a config with absurd sizes fails by name instead of exhausting memory.
+  Non-finite values: norms, biases, `e_score_correction_bias`, quantization scales and other 1-D float
+  tensors are refused (cheap); a non-finite dense 2-D weight is reported with a warning naming it.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from models.config import (ConfigError, DeepseekV3Config, Eagle3Config, ModelConfig,
                            check_draft_matches_target, load_config)
 from models.formats import AUX_SUFFIXES, FormatError, QuantLinear, Weight, build_linear, to_pack
 
 __all__ = ["Checkpoint", "LoadError", "load_checkpoint", "load_target", "load_draft",
-           "expected_shapes", "list_tensors", "stack_experts", "iter_linears"]
+           "expected_shapes", "list_tensors", "stack_experts", "iter_linears", "NonFiniteWeightWarning"]
 
 LoadError = FormatError   # one error type for bad checkpoints; ConfigError for bad config fields
 
@@ -69,29 +80,104 @@ class Checkpoint:
 # file discovery and name normalization
 
 
+class NonFiniteWeightWarning(UserWarning):
+    """A large dense weight holds NaN or Inf (named in the message); the model may produce garbage."""
+
+
+_SAFETENSORS_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError, TypeError, KeyError)
+_MAX_INDEX_BYTES = 256 << 20
+
+
+def _open_shard(p: Path):
+    """safe_open with every failure re-raised as a LoadError naming the shard file."""
+    try:
+        return safe_open(p, "pt")
+    except _SAFETENSORS_ERRORS as e:
+        raise LoadError(f"shard {p}: not a readable safetensors file ({e})") from None
+
+
+def _shard_call(p: Path, what: str, fn):
+    try:
+        return fn()
+    except LoadError:
+        raise
+    except _SAFETENSORS_ERRORS as e:
+        raise LoadError(f"shard {p}: cannot read {what} ({e})") from None
+
+
+def _no_dup_keys(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise LoadError(f"key {k!r} appears twice")
+        out[k] = v
+    return out
+
+
+def _shard_path(root: Path, fn: object, idx: Path, name: str) -> Path:
+    """The index's file name for tensor `name`, checked: a relative path inside `root` naming a regular
+    file (a symlink is followed and must end at one)."""
+    if not isinstance(fn, str) or not fn:
+        raise LoadError(f"{idx}: weight_map entry for tensor {name!r} must be a file name, got {fn!r}")
+    rel = Path(fn)
+    if rel.is_absolute() or ".." in rel.parts or fn.startswith("~"):
+        raise LoadError(f"{idx}: shard {fn!r} (holding tensor {name!r}) points outside the checkpoint directory")
+    p = root / rel
+    try:
+        st = os.stat(p)
+    except OSError:
+        raise LoadError(f"{idx}: shard {fn!r} (holding tensor {name!r}) does not exist") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise LoadError(f"{idx}: shard {fn!r} (holding tensor {name!r}) is not a regular file")
+    return p
+
+
 def _shard_map(root: Path) -> dict[str, Path]:
-    """stored tensor name -> shard file, from the index when present, else every *.safetensors."""
+    """stored tensor name -> shard file, from the index when present, else every *.safetensors; a name
+    in two shards (or an index entry its shard lacks) is an error naming both files."""
+    if not root.is_dir():
+        raise LoadError(f"{root}: not a checkpoint directory")
     idx = root / "model.safetensors.index.json"
-    if idx.exists():
-        with open(idx) as f:
-            wm = json.load(f).get("weight_map")
+    if idx.exists() or idx.is_symlink():
+        if not idx.is_file():
+            raise LoadError(f"{idx}: not a regular file")
+        try:
+            if idx.stat().st_size > _MAX_INDEX_BYTES:
+                raise LoadError(f"{idx}: larger than {_MAX_INDEX_BYTES >> 20} MiB; not a safetensors index")
+            with open(idx, "rb") as f:
+                doc = json.loads(f.read(), object_pairs_hook=_no_dup_keys)
+        except LoadError as e:
+            raise LoadError(f"{idx}: {e}") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise LoadError(f"{idx}: not a readable JSON index ({e})") from None
+        wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict):
             raise LoadError(f"{idx}: field 'weight_map' is missing")
-        out = {}
-        for name, fn in wm.items():
-            p = root / fn
-            if not p.exists():
-                raise LoadError(f"{idx}: shard {fn!r} (holding tensor {name!r}) does not exist")
-            out[name] = p
+        out = {str(name): _shard_path(root, fn, idx, str(name)) for name, fn in wm.items()}
+        by_file: dict[Path, list[str]] = {}
+        for n, p in out.items():
+            by_file.setdefault(p, []).append(n)
+        seen: dict[str, Path] = {}
+        for p in sorted(by_file):
+            keys = set(_shard_call(p, "its header", lambda p=p: list(_open_shard(p).keys())))
+            for n in by_file[p]:
+                if n not in keys:
+                    raise LoadError(f"{idx}: tensor {n!r} is mapped to shard {p.name!r}, which does not hold it")
+            for k in keys:
+                if k in seen:
+                    raise LoadError(f"tensor {k!r} is stored in two shards: {seen[k].name!r} and {p.name!r}")
+                seen[k] = p
         return out
-    files = sorted(root.glob("*.safetensors"))
+    files = sorted(f for f in root.glob("*.safetensors") if f.is_file())
     if not files:
         raise LoadError(f"no *.safetensors files (and no model.safetensors.index.json) in {root}")
     out = {}
     for p in files:
-        with safe_open(p, "pt") as f:
-            for k in f.keys():
-                out[k] = p
+        for k in _shard_call(p, "its header", lambda p=p: list(_open_shard(p).keys())):
+            if k in out:
+                raise LoadError(f"tensor {k!r} is stored in two shards: {out[k].name!r} and {p.name!r} "
+                                "(a stale shard from an earlier write?)")
+            out[k] = p
     return out
 
 
@@ -127,10 +213,12 @@ def list_tensors(path: Union[str, Path]) -> dict[str, tuple[str, list[int]]]:
     for n, p in _shard_map(root).items():
         by_file.setdefault(p, []).append(n)
     for p, names in by_file.items():
-        with safe_open(p, "pt") as f:
+        def read(p: Path = p, names: list[str] = names) -> None:
+            f = _open_shard(p)
             for n in names:
                 s = f.get_slice(n)
                 out[n] = (s.get_dtype(), list(s.get_shape()))
+        _shard_call(p, "tensor headers", read)
     return out
 
 
@@ -265,7 +353,7 @@ class _Shards:
     def _handle(self, p: Path):
         h = self.open.get(p)
         if h is None:
-            h = self.open[p] = safe_open(p, "pt")
+            h = self.open[p] = _open_shard(p)
         return h
 
     def present(self, name: str) -> bool:
@@ -274,7 +362,7 @@ class _Shards:
     def dtype_of(self, name: str) -> torch.dtype:
         if name not in self.dtypes:
             p, stored = self.where[name]
-            s = self._handle(p).get_slice(stored).get_dtype()
+            s = _shard_call(p, f"tensor {stored!r}", lambda: self._handle(p).get_slice(stored).get_dtype())
             if s not in _ST_DTYPES:
                 raise LoadError(f"tensor {name!r}: unsupported safetensors dtype {s}")
             self.dtypes[name] = _ST_DTYPES[s]
@@ -284,26 +372,68 @@ class _Shards:
         if name not in self.where:
             raise LoadError(f"tensor {name!r} is missing")
         p, stored = self.where[name]
-        t = self._handle(p).get_tensor(stored)
+        t = _shard_call(p, f"tensor {stored!r}", lambda: self._handle(p).get_tensor(stored))
         self.left[p] -= 1
         if self.left[p] == 0:
             self.open.pop(p, None)             # drop the map (its pages) as soon as the shard is done
         return t
 
 
+def _fp8_nan(t: torch.Tensor) -> torch.Tensor:
+    """NaN codes by bits (no float copy): e4m3fn 0x7f / 0xff, e4m3fnuz 0x80."""
+    b = t.view(torch.uint8)
+    return b == 0x80 if t.dtype == torch.float8_e4m3fnuz else (b & 0x7F) == 0x7F
+
+
+_SMALL_SUFFIXES = ("norm.weight", "layernorm.weight", ".bias", "e_score_correction_bias")
+
+
+def _check_finite(name: str, w: Weight) -> None:
+    """Refuse non-finite norms, biases, routing biases, quantization scales and other 1-D float tensors
+    (cheap); warn, naming the tensor, for a non-finite dense 2-D (or larger) weight."""
+    if isinstance(w, QuantLinear):
+        for what, t in (("scale", w.scale), ("input_scale", w.input_scale)):
+            if t is not None and t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+                raise LoadError(f"tensor {name!r}: its quantization {what} holds NaN or Inf")
+        if w.kind == "fp8" and bool(_fp8_nan(w.packed).any()):
+            warnings.warn(f"tensor {name!r}: fp8 weight holds NaN", NonFiniteWeightWarning, stacklevel=3)
+        return
+    if not w.dtype.is_floating_point or w.numel() == 0:
+        return
+    if bool(torch.isfinite(w).all()):
+        return
+    if w.dim() <= 1 or name.endswith(_SMALL_SUFFIXES):
+        raise LoadError(f"tensor {name!r} holds NaN or Inf (a norm, bias or scale must be finite)")
+    warnings.warn(f"tensor {name!r} holds NaN or Inf", NonFiniteWeightWarning, stacklevel=3)
+
+
+def _check_budget(root: Path, cfg: ModelConfig, stored: dict[str, Path]) -> None:
+    """The config's parameter count must fit the bytes the shards hold (>= 0.5 byte per parameter, the
+    int4 minimum); otherwise a size field is wrong, and is refused before anything is allocated."""
+    files = set(stored.values())
+    total = sum(p.stat().st_size for p in files)
+    n = cfg.param_count()
+    if n // 2 > total:
+        raise LoadError(f"{root}: config.json implies {n:,} parameters (at least {n // 2:,} bytes) but the "
+                        f"shards hold {total:,} bytes; a size field (num_hidden_layers, hidden_size, "
+                        "n_routed_experts, vocab_size, ...) does not match the checkpoint")
+
+
 def load_checkpoint(path: Union[str, Path], *, arch: Optional[str] = None, dtype: Optional[torch.dtype] = None,
                     int4_pack: Optional[str] = None, device: Union[str, torch.device] = "cpu",
-                    validate: bool = True) -> Checkpoint:
+                    validate: bool = True, check_finite: bool = True) -> Checkpoint:
     """Load a target or draft checkpoint directory (family from its config.json).
 
     arch: target GPU arch ("gfx942" converts fp8 weights to e4m3fnuz with doubled scales); None/"cpu"
     keeps e4m3fn. dtype: convert bf16/f16 tensors by value (f32 tensors such as the routing bias stay
     f32). int4_pack: repack int4 words to this packing (None keeps the stored one). device: each weight
     is moved there right after it is built (host peak stays ~ one tensor when loading to a GPU).
+    check_finite: refuse non-finite norms / biases / scales, warn for other weights (module docstring).
     """
     root = Path(path)
     cfg = load_config(root)
     stored = _shard_map(root)
+    _check_budget(root, cfg, stored)
     where: dict[str, tuple[Path, str]] = {}
     skipped: list[str] = []
     if isinstance(cfg, DeepseekV3Config):
@@ -341,6 +471,8 @@ def load_checkpoint(path: Union[str, Path], *, arch: Optional[str] = None, dtype
         w, used = build_linear(b, sh.get, sh.present, sh.dtype_of, qm, qpack, arch=arch, int4_pack=int4_pack)
         if isinstance(w, torch.Tensor) and dtype is not None and w.dtype in (torch.bfloat16, torch.float16):
             w = w.to(dtype)
+        if check_finite:
+            _check_finite(b + ".weight", w)
         weights[b + ".weight"] = w.to(device)
         done.update(used)
     for n in names:
@@ -351,6 +483,8 @@ def load_checkpoint(path: Union[str, Path], *, arch: Optional[str] = None, dtype
         t = sh.get(n)
         if dtype is not None and t.dtype in (torch.bfloat16, torch.float16):
             t = t.to(dtype)
+        if check_finite:
+            _check_finite(n, t)
         weights[n] = t.to(device)
     ck = Checkpoint(root, cfg, weights, skipped)
     if validate:

@@ -112,8 +112,8 @@ def test_eagle3_aux_ids_plus_one_convention():
     del d["eagle_config"]
     assert parse_config(d).capture_layer_ids(61) == (2, 30, 58)
     assert parse_config(d).capture_layer_ids(8) == (2, 4, 5)
-    with pytest.raises(ConfigError, match="duplicate aux layer ids"):
-        parse_config(d).capture_layer_ids(4)        # (2, 2, 1)
+    # repeated ids are well defined (issue 11.6): the list is captured literally, in list order
+    assert parse_config(d).capture_layer_ids(4) == (2, 2, 1)
     with pytest.raises(ConfigError, match="outside"):
         parse_config(EAGLE).capture_layer_ids(40)
 
