@@ -26,13 +26,24 @@ Target kinds optionally get a Kimi-layout tokenizer (`--tokenizer`, `write_token
 Drafts carry `eagle_config.eagle_aux_hidden_state_layer_ids = [1, L//2 - 1, L - 4]` ("+1" checkpoint
 convention) for a target of L = --layers layers, i.e. (2, L//2, L-3) in ours (models.config).
 Values are deterministic for a seed (torch.Generator); int4 values cover the whole [-8, 7] grid.
+
+Directories: a fixture directory carries `.kdsl-fixture`, written first as "incomplete" and rewritten
+last (atomically) with the SHA-256 of every file: `verify_fixture` tells a complete fixture from a
+partial or corrupt one (a killed writer, an edited shard), and a new write into a directory clears
+the files of the fixture it held before (no stale shard survives). A non-empty directory without the
+marker is someone else's and is refused. Sizes are bounded: every count >= 1, and the estimated
+memory of the build (8 bytes per parameter: stored copy, f32 reference, temporaries) at most
+min(8 GiB, half the available memory).
 """
 from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import json
+import os
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +55,14 @@ from safetensors.torch import save_file
 from ops.packing import pack_int4
 
 __all__ = ["KINDS", "DEFAULT_SIZES", "Fixture", "build_fixture", "write_fixture", "save_fixture", "write_tokenizer",
-           "main"]
+           "verify_fixture", "FixtureError", "MARKER", "main"]
+
+
+class FixtureError(ValueError):
+    """A fixture cannot be built or written as asked (message names the option or the directory)."""
+
+
+MARKER = ".kdsl-fixture"
 
 KINDS = ("kimi-k25", "kimi-k25-bf16", "kimi-k25-w4a8", "eagle3", "eagle3-fp8", "eagle3-int4", "eagle3-mla")
 
@@ -253,10 +271,8 @@ def _build_target(kind: str, s: dict[str, Any], seed: int) -> Fixture:
     return fx
 
 
-def _build_draft(kind: str, s: dict[str, Any], seed: int) -> Fixture:
+def _draft_config(kind: str, s: dict[str, Any]) -> dict[str, Any]:
     H, V, L = s["hidden"], s["vocab"], s["layers"]
-    if L < 8:
-        raise ValueError(f"--layers (target layers) must be >= 8 for drafts' aux ids, got {L}")
     dv = s["draft_vocab"] if kind == "eagle3" else V
     cfg: dict[str, Any] = {
         "hidden_size": H, "num_attention_heads": s["heads"], "num_hidden_layers": 1,
@@ -277,12 +293,21 @@ def _build_draft(kind: str, s: dict[str, Any], seed: int) -> Fixture:
         cfg.update({"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
                     "num_key_value_heads": s["kv_heads"], "head_dim": s["head_dim"], "rope_theta": 1000000.0,
                     "rope_scaling": None})
-    dense_dt = torch.float16 if kind == "eagle3-fp8" else torch.bfloat16
     excl = ["fc", "lm_head", "embed_tokens"]
     if kind == "eagle3-fp8":
         cfg["quantization_config"] = _quark_quant(_FP8_PC, _FP8_PTOK, excl, "reorder")
     elif kind == "eagle3-int4":
         cfg["quantization_config"] = _quark_quant(_INT4_PC, None, excl, s["pack_method"])
+    return cfg
+
+
+def _build_draft(kind: str, s: dict[str, Any], seed: int) -> Fixture:
+    H, V = s["hidden"], s["vocab"]
+    if s["layers"] < 8:
+        raise FixtureError(f"--layers (target layers) must be >= 8 for drafts' aux ids, got {s['layers']}")
+    dv = s["draft_vocab"] if kind == "eagle3" else V
+    cfg = _draft_config(kind, s)
+    dense_dt = torch.float16 if kind == "eagle3-fp8" else torch.bfloat16
     fx = Fixture(kind, cfg, {})
     g = _Gen(seed, "", fx)
     st = (lambda n: n.replace("midlayer.", "layers.0.", 1)) if kind == "eagle3-fp8" else (lambda n: n)
@@ -338,31 +363,168 @@ def _build_draft(kind: str, s: dict[str, Any], seed: int) -> Fixture:
     return fx
 
 
+_MAX_FIXTURE_BYTES = 8 << 30
+
+
+def _check_sizes(kind: str, s: dict[str, Any]) -> None:
+    """Every size option in its domain, and the build's memory estimate within bounds (module docstring);
+    errors name the CLI flag."""
+    from models.config import ConfigError, available_memory_bytes, parse_config
+
+    flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
+    if s["pack_method"] not in ("reorder", "order"):
+        raise FixtureError(f"--pack-method must be reorder or order, got {s['pack_method']!r}")
+    for k, v in s.items():
+        if k == "pack_method":
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise FixtureError(f"{flag(k)} must be an integer, got {v!r}")
+        if v < 1:
+            raise FixtureError(f"{flag(k)} must be >= 1, got {v}")
+    if s["layers"] < 2:
+        raise FixtureError(f"--layers must be >= 2 (dense layer 0 + MoE), got {s['layers']}")
+    if s["hidden"] % 32 or s["moe_intermediate"] % 32:
+        raise FixtureError("--hidden and --moe-intermediate must be multiples of 32 (int4 group 32)")
+    for k in ("hidden", "moe_intermediate", "intermediate", "draft_intermediate"):
+        if s[k] % s["group"]:
+            raise FixtureError(f"--group ({s['group']}) must divide --{k.replace('_', '-')} ({s[k]})")
+    if s["group"] % 8:
+        raise FixtureError(f"--group must be a multiple of 8 (8 int4 values per word), got {s['group']}")
+    for k in ("rope_dim", "head_dim"):
+        if s[k] % 2:
+            raise FixtureError(f"--{k.replace('_', '-')} must be even (rope rotates pairs), got {s[k]}")
+    if s["vocab"] < 16:
+        raise FixtureError(f"--vocab must be >= 16 (bos / eos / pad sit at the top ids), got {s['vocab']}")
+    if kind == "eagle3" and s["draft_vocab"] > s["vocab"]:
+        raise FixtureError(f"--draft-vocab ({s['draft_vocab']}) must be <= --vocab ({s['vocab']})")
+    if s["heads"] % s["kv_heads"]:
+        raise FixtureError(f"--kv-heads ({s['kv_heads']}) must divide --heads ({s['heads']})")
+    if s["shards"] > 256:
+        raise FixtureError(f"--shards must be <= 256, got {s['shards']}")
+    if kind.startswith("kimi"):
+        if s["topk"] > s["experts"]:
+            raise FixtureError(f"--topk ({s['topk']}) must be <= --experts ({s['experts']})")
+        if s["experts"] % s["n_group"] or s["topk_group"] > s["n_group"]:
+            raise FixtureError(f"--n-group ({s['n_group']}) must divide --experts ({s['experts']}) and be >= "
+                               f"--topk-group ({s['topk_group']})")
+    try:
+        cfg = parse_config(_text_config(s) if kind.startswith("kimi") else _draft_config(kind, s))
+    except ConfigError as e:
+        raise FixtureError(f"the sizes make an invalid config: {e}") from None
+    need = 8 * cfg.param_count()
+    budget = min(_MAX_FIXTURE_BYTES, available_memory_bytes() // 2)
+    if need > budget:
+        raise FixtureError(f"the sizes make a {cfg.param_count():,}-parameter model (~{need / 2 ** 30:.1f} GiB to "
+                           f"build), over the fixture budget of {budget / 2 ** 30:.1f} GiB; lower --layers, "
+                           "--hidden, --experts or --vocab")
+
+
 def build_fixture(kind: str, seed: int = 0, **sizes: Any) -> Fixture:
     """The tensors, config and f32 reference of a tiny checkpoint (nothing written)."""
     if kind not in KINDS:
-        raise ValueError(f"unknown fixture kind {kind!r}; known: {', '.join(KINDS)}")
+        raise FixtureError(f"unknown fixture kind {kind!r}; known: {', '.join(KINDS)}")
     unknown = set(sizes) - set(DEFAULT_SIZES)
     if unknown:
-        raise ValueError(f"unknown size option(s) {sorted(unknown)}; known: {sorted(DEFAULT_SIZES)}")
+        raise FixtureError(f"unknown size option(s) {sorted(unknown)}; known: {sorted(DEFAULT_SIZES)}")
     s = {**DEFAULT_SIZES, **sizes}
-    if s["layers"] < 2:
-        raise ValueError(f"--layers must be >= 2 (dense layer 0 + MoE), got {s['layers']}")
-    if s["hidden"] % 32 or s["moe_intermediate"] % 32:
-        raise ValueError("--hidden and --moe-intermediate must be multiples of 32 (int4 group 32)")
+    if not kind.startswith("kimi") and isinstance(s["layers"], int) and s["layers"] < 8:
+        raise FixtureError(f"--layers (target layers) must be >= 8 for drafts' aux ids, got {s['layers']}")
+    _check_sizes(kind, s)
     return _build_target(kind, s, seed) if kind.startswith("kimi") else _build_draft(kind, s, seed)
 
 
-def save_fixture(fx: Fixture, out_dir: Union[str, Path], shards: int = 2) -> Path:
-    """Write a built (possibly edited) fixture: config.json + shards (+ index when shards > 1)."""
-    out = Path(out_dir)
+# ----------------------------------------------------------------------------------------------
+# writing: marker, clearing, verification
+
+
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_marker(out: Path, doc: dict[str, Any]) -> None:
+    """Atomic: a reader sees the old marker or the new one, never half of one."""
+    tmp = out / (MARKER + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out / MARKER)
+
+
+def _prepare_dir(out: Path, kind: str) -> None:
+    """Make `out` an empty fixture directory: create it, or clear the files of the fixture it held
+    (marked); refuse a non-empty directory without the marker (someone else's files)."""
+    if out.exists() and not out.is_dir():
+        raise FixtureError(f"--out {out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
+    entries = [e for e in out.iterdir()]
+    if entries and not (out / MARKER).is_file():
+        raise FixtureError(f"--out {out}: directory is not empty and holds no {MARKER} marker (not a fixture "
+                           "directory); give an empty or new directory")
+    for e in entries:
+        if e.is_symlink() or e.is_file():
+            e.unlink()
+        elif e.is_dir():
+            raise FixtureError(f"--out {out}: holds a subdirectory {e.name!r}; a fixture directory has only files")
+    _write_marker(out, {"kind": kind, "complete": False})
+
+
+def _finalize(out: Path, kind: Optional[str] = None) -> None:
+    """Write the completion marker last: the kind and the SHA-256 of every file."""
+    if kind is None:
+        try:
+            kind = json.loads((out / MARKER).read_text()).get("kind")
+        except (OSError, ValueError, AttributeError):
+            kind = None
+    files = {p.name: _sha256(p) for p in sorted(out.iterdir()) if p.is_file() and not p.name.startswith(MARKER)}
+    _write_marker(out, {"kind": kind, "complete": True, "files": files})
+
+
+def verify_fixture(out_dir: Union[str, Path], kind: Optional[str] = None) -> Optional[str]:
+    """None when `out_dir` holds a complete fixture (of `kind` if given) whose files all match the hashes
+    of its marker and no other file; else the reason (missing / incomplete / changed / extra file)."""
+    out = Path(out_dir)
+    try:
+        doc = json.loads((out / MARKER).read_text())
+    except FileNotFoundError:
+        return f"no {MARKER} marker"
+    except (OSError, ValueError) as e:
+        return f"unreadable {MARKER} marker ({e})"
+    if not isinstance(doc, dict) or doc.get("complete") is not True or not isinstance(doc.get("files"), dict):
+        return "incomplete (the writer did not finish)"
+    if kind is not None and doc.get("kind") != kind:
+        return f"holds kind {doc.get('kind')!r}, not {kind!r}"
+    files = doc["files"]
+    have = {p.name for p in out.iterdir() if p.is_file() and not p.name.startswith(MARKER)}
+    if have != set(files):
+        return f"files differ from the marker (extra {sorted(have - set(files))}, missing {sorted(set(files) - have)})"
+    for name, h in files.items():
+        if _sha256(out / name) != h:
+            return f"file {name!r} changed since it was written"
+    return None
+
+
+def save_fixture(fx: Fixture, out_dir: Union[str, Path], shards: int = 2) -> Path:
+    """Write a built (possibly edited) fixture: config.json + shards (+ index when shards > 1), then the
+    completion marker. A directory that held a fixture is cleared first; a foreign non-empty one refused."""
+    out = Path(out_dir)
+    _prepare_dir(out, fx.kind)
+    _write_files(fx, out, shards)
+    _finalize(out, fx.kind)
+    return out
+
+
+def _write_files(fx: Fixture, out: Path, shards: int) -> None:
     with open(out / "config.json", "w") as f:
         json.dump(fx.config, f, indent=2)
     names = list(fx.tensors)
     if shards <= 1:
         save_file(fx.tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        return out
+        return
     total = fx.nbytes
     groups: list[list[str]] = [[] for _ in range(shards)]
     acc = 0
@@ -378,22 +540,24 @@ def save_fixture(fx: Fixture, out_dir: Union[str, Path], shards: int = 2) -> Pat
         wm.update({n: fn for n in grp})
     with open(out / "model.safetensors.index.json", "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": wm}, f, indent=2)
-    return out
 
 
 def write_fixture(kind: str, out_dir: Union[str, Path], seed: int = 0, tokenizer: bool = False, **sizes: Any) -> Path:
     """Write config.json + safetensors shards (+ index when shards > 1) for `kind`, and with
-    `tokenizer` (target kinds) a Kimi-layout tiktoken tokenizer; returns out_dir."""
+    `tokenizer` (target kinds) a Kimi-layout tiktoken tokenizer; the completion marker last; returns out_dir."""
+    if tokenizer and not kind.startswith("kimi"):
+        raise FixtureError(f"--tokenizer is for target kinds (kimi-*), not {kind!r}")
     fx = build_fixture(kind, seed, **sizes)
-    out = save_fixture(fx, out_dir, int({**DEFAULT_SIZES, **sizes}["shards"]))
+    out = Path(out_dir)
+    _prepare_dir(out, kind)
+    _write_files(fx, out, int({**DEFAULT_SIZES, **sizes}["shards"]))
     if tokenizer:
-        if not kind.startswith("kimi"):
-            raise ValueError(f"--tokenizer is for target kinds (kimi-*), not {kind!r}")
         t = fx.config["text_config"]
         eos = t["eos_token_id"]
         write_tokenizer(out, t["vocab_size"], {t["bos_token_id"]: "[BOS]", eos: "[EOS]", eos + 1: "<|im_end|>",
                                                eos + 2: "<|im_user|>", eos + 3: "<|im_assistant|>",
                                                t["pad_token_id"]: "[PAD]"})
+    _finalize(out, kind)
     return out
 
 
@@ -459,13 +623,33 @@ def write_tokenizer(out_dir: Union[str, Path], vocab_size: int, names: Optional[
             cfg[key] = s
     with open(out / "tokenizer_config.json", "w") as f:
         json.dump(cfg, f, indent=2)
+    if _marker_complete(out):
+        _finalize(out)                       # keep a finished fixture's hashes true
     return out
 
 
+def _marker_complete(out: Path) -> bool:
+    try:
+        return json.loads((out / MARKER).read_text()).get("complete") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line on stderr (no usage block), exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m models.fixtures", description=__doc__.split("\n\n")[0])
+    """The CLI: every bad option, size or directory is one line on stderr naming it, exit status 2."""
+    ap = _Parser(prog="python -m models.fixtures", description=__doc__.split("\n\n")[0])
     ap.add_argument("--kind", required=True, choices=KINDS)
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=Path,
+                    help="directory to write (created; a fixture directory written before is cleared, another "
+                         "non-empty directory is refused)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", action="store_true",
                     help="also write a Kimi-layout tiktoken tokenizer (target kinds; merges need --vocab > 512)")
@@ -473,7 +657,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.add_argument("--" + k.replace("_", "-"), dest=k, type=type(v), default=v)
     a = vars(ap.parse_args(argv))
     kind, out, seed, tok = a.pop("kind"), a.pop("out"), a.pop("seed"), a.pop("tokenizer")
-    p = write_fixture(kind, out, seed, tokenizer=tok, **a)
+    if not 0 <= seed < 2 ** 63:
+        ap.error(f"--seed must be in [0, 2**63), got {seed}")
+    if tok:
+        from models.tokenizer import NUM_RESERVED_SPECIAL
+
+        if not kind.startswith("kimi"):
+            ap.error(f"--tokenizer is for target kinds (kimi-*), not {kind!r}")
+        if a["vocab"] < 256 + NUM_RESERVED_SPECIAL:
+            ap.error(f"--vocab must be >= {256 + NUM_RESERVED_SPECIAL} with --tokenizer, got {a['vocab']}")
+    try:
+        p = write_fixture(kind, out, seed, tokenizer=tok, **a)
+    except (ValueError, OSError, MemoryError) as e:   # FixtureError, ConfigError, a file system error
+        msg = str(e) if not isinstance(e, OSError) else f"--out {out}: {e.strerror or e}"
+        print(f"{ap.prog}: error: {msg or type(e).__name__}".splitlines()[0], file=sys.stderr)
+        return 2
     fx_bytes = sum(f.stat().st_size for f in p.glob("*.safetensors"))
     print(f"wrote {kind} fixture to {p} ({fx_bytes / 1e6:.2f} MB of safetensors)")
     return 0
