@@ -749,12 +749,14 @@ def load_config(path: Union[str, Path]) -> ModelConfig:
         raise ConfigError(f"{p}: {e}") from None
 
 
-def check_draft_matches_target(draft: Eagle3Config, target: DeepseekV3Config) -> None:
-    """A draft is usable with a target only if fc's input is 3 x target hidden and the vocabs agree."""
+def check_draft_matches_target(draft: Eagle3Config, target: DeepseekV3Config,
+                               aux_ids: Optional[Sequence[int]] = None) -> None:
+    """A draft is usable with a target only if fc's input is 3 x target hidden, the vocabs agree and
+    the capture ids (`aux_ids` when overridden, else the config's) fit the target's layers."""
     if draft.target_hidden_size != target.hidden_size:
         raise ConfigError(f"draft hidden size mismatch: draft 'target_hidden_size' (fc input / 3) = "
                           f"{draft.target_hidden_size}, target 'hidden_size' = {target.hidden_size}")
     if draft.vocab_size != target.vocab_size:
         raise ConfigError(f"draft vocab mismatch: draft 'vocab_size' = {draft.vocab_size}, target "
                           f"'vocab_size' = {target.vocab_size}")
-    draft.capture_layer_ids(target.num_hidden_layers)
+    draft.capture_layer_ids(target.num_hidden_layers, aux_ids)

@@ -15,11 +15,18 @@ checkpoint's generation eos (generation_config.json, else config.json, else toke
 is tree drafting (--draft-tokens = tree size incl. the root; on the triton backend at most 8, the
 verify kernels' q_len limit). Both backends run every combination (an MLA-midlayer draft drafts trees on
 the torch backend only).
+
+Aux layers: the target captures the layers the draft's `eagle_config.eagle_aux_hidden_state_layer_ids`
+name (models.config: as given, +1 on each when the first id is 1), the default (2, N//2, N-3) when
+absent, or `--aux-ids` (taken as given); the report and the JSON say which ids were used and why.
+Bad input (flags, paths, configs, checkpoints) ends in one line on stderr naming it and exit status 2;
+counts are bounded by the model (positions, draft vocab) and by the memory available.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -43,37 +50,214 @@ def cache_dir() -> Path:
     return Path(base) / "kdsl" / "fixtures"
 
 
-def default_checkpoints(root: Optional[Path] = None) -> tuple[Path, Path]:
-    """Write (once) the tiny kimi-k25 target and eagle3 draft fixtures; return their directories."""
-    from models.fixtures import write_fixture
+_STALE_S = 600          # a writer's temp directory older than this is from a killed run
 
-    root = root or cache_dir()
+
+def _usable_root(root: Path) -> Path:
+    """`root` if a directory can be made and written there; else a per-user temp directory, with a
+    one-line notice on stderr (an unwritable cache is not an error)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=root, prefix=".probe-", delete=True)
+        probe.close()
+        return root
+    except OSError as e:
+        alt = Path(tempfile.gettempdir()) / f"kdsl-{os.getuid() if hasattr(os, 'getuid') else 'user'}" / "fixtures"
+        print(f"note: fixture cache {root} is not writable ({e.strerror or e}); using {alt}", file=sys.stderr)
+        alt.mkdir(parents=True, exist_ok=True)
+        return alt
+
+
+def _clean_stale(root: Path) -> None:
+    """Remove temp directories of writers killed mid-write (`.KIND-*` / `.stale-*`, older than _STALE_S)."""
+    now = time.time()
+    for e in root.glob(".*-*"):
+        try:
+            if e.is_dir() and not e.is_symlink() and now - e.stat().st_mtime > _STALE_S:
+                shutil.rmtree(e, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def default_checkpoints(root: Optional[Path] = None) -> tuple[Path, Path]:
+    """Write (once) the tiny kimi-k25 target and eagle3 draft fixtures; return their directories.
+
+    A cached directory is used only when its completion marker and file hashes check out
+    (models.fixtures.verify_fixture); a partial or corrupt one is rebuilt, a writer's leftover temp
+    directory is removed."""
+    from models.fixtures import verify_fixture, write_fixture
+
+    root = _usable_root(root or cache_dir())
+    _clean_stale(root)
     out = []
     for kind, seed in (("kimi-k25", TARGET_SEED), ("eagle3", DRAFT_SEED)):
         d = root / f"{kind}-seed{seed}"
-        if not (d / "config.json").exists():
-            root.mkdir(parents=True, exist_ok=True)
+        if verify_fixture(d, kind) is not None:
             tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=root))
             write_fixture(kind, tmp, seed=seed)
+            if d.exists() or d.is_symlink():
+                old = root / f".stale-{kind}-{os.getpid()}-{time.time_ns()}"
+                try:
+                    d.rename(old)
+                except OSError:
+                    pass
+                shutil.rmtree(old, ignore_errors=True)
             try:
                 tmp.rename(d)                      # atomic: a concurrent writer's copy wins
             except OSError:
                 shutil.rmtree(tmp, ignore_errors=True)
+            why = verify_fixture(d, kind)
+            if why is not None:
+                raise ValueError(f"fixture cache {d}: {why} after rebuilding it")
         out.append(d)
     return out[0], out[1]
+
+
+class CliExit(SystemExit):
+    """Exit status 2 for bad input; the one-line message was printed to stderr and is str(self)."""
+
+    def __init__(self, msg: str):
+        super().__init__(2)
+        self.msg = msg
+
+    def __str__(self) -> str:
+        return self.msg
+
+
+def _fail(msg: str) -> "CliExit":
+    line = msg.splitlines()[0] if msg else "error"
+    print(line, file=sys.stderr)
+    return CliExit(line)
 
 
 def _checkpoint_dir(p: str, flag: str) -> Path:
     d = Path(p).expanduser()
     if not d.exists():
-        raise SystemExit(f"error: {flag} {p}: no such directory")
-    if not d.is_dir() or not (d / "config.json").exists():
-        raise SystemExit(f"error: {flag} {p}: not a checkpoint directory (no config.json)")
+        raise _fail(f"error: {flag} {p}: no such directory")
+    if not d.is_dir() or not (d / "config.json").is_file():
+        raise _fail(f"error: {flag} {p}: not a checkpoint directory (no config.json)")
     return d
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line on stderr (no usage block), exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise _fail(f"{self.prog}: error: {message}")
+
+
+# Static bounds on counts (before any model is known); the model and the memory bound them further
+# at run time (_check_model_bounds).
+LIMITS = {"--steps": 64, "--topk": 64, "--draft-tokens": 1024, "--max-new-tokens": 1 << 20, "--batch": 4096}
+MIN_TEMPERATURE = 1e-3
+
+
+def _finite_float(flag: str):
+    def conv(v: str) -> float:
+        try:
+            f = float(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {v!r}") from None
+        if not math.isfinite(f):
+            raise argparse.ArgumentTypeError(f"{flag} must be finite, got {v!r}")
+        return f
+    return conv
+
+
+def _validate_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Every flag in its domain (one line naming the flag, exit 2); model-dependent bounds come later."""
+    from models.config import ConfigError, parse_aux_ids
+
+    cpus = os.cpu_count() or 1
+    for name, v, lo, hi in (("--steps", a.steps, 1, LIMITS["--steps"]), ("--topk", a.topk, 1, LIMITS["--topk"]),
+                            ("--max-new-tokens", a.max_new_tokens, 1, LIMITS["--max-new-tokens"]),
+                            ("--batch", a.batch, 1, LIMITS["--batch"]), ("--threads", a.threads, 1, cpus),
+                            ("--draft-tokens", a.draft_tokens, 2, LIMITS["--draft-tokens"])):
+        if v is not None and v < lo:
+            ap.error(f"{name} must be >= {lo}, got {v}")
+        if v is not None and v > hi:
+            ap.error(f"{name} must be <= {hi}{' (CPU count)' if name == '--threads' else ''}, got {v}")
+    if a.temperature < 0:
+        ap.error(f"--temperature must be >= 0, got {a.temperature}")
+    if 0 < a.temperature < MIN_TEMPERATURE:
+        ap.error(f"--temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {a.temperature:g}")
+    if not 0 < a.top_p <= 1:
+        ap.error(f"--top-p must be in (0, 1], got {a.top_p}")
+    if not 0 <= a.seed < 2 ** 63:
+        ap.error(f"--seed must be in [0, 2**63), got {a.seed}")
+    if (a.target is None) != (a.draft is None):
+        ap.error("--target and --draft go together (or give neither for the embedded default)")
+    if a.prompt is not None and any(p == "" for p in a.prompt):
+        ap.error("--prompt must not be empty")
+    if a.prompt is not None:
+        for p in a.prompt:
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError:
+                ap.error("--prompt must be valid text (it holds an unpaired surrogate)")
+    a.aux_ids_list = None
+    if a.aux_ids is not None:
+        try:
+            a.aux_ids_list = parse_aux_ids(a.aux_ids)
+        except ConfigError as e:
+            ap.error(str(e))
+
+
+def _check_model_bounds(a: argparse.Namespace, tdir: Path, ddir: Path, num_draft_tokens: int) -> None:
+    """Counts against the model (positions, draft vocab) and the memory available, from the configs
+    only (before any weight is read). Raises ValueError naming the flag."""
+    from models.config import DeepseekV3Config, Eagle3Config, available_memory_bytes, load_config
+
+    tc, dc = load_config(tdir), load_config(ddir)
+    if not isinstance(tc, DeepseekV3Config):
+        raise ValueError(f"--target {tdir}: config.json describes a draft, not a target")
+    if not isinstance(dc, Eagle3Config):
+        raise ValueError(f"--draft {ddir}: config.json does not describe an EAGLE-3 draft")
+    if a.topk > dc.draft_vocab_size:
+        raise ValueError(f"--topk must be <= the draft vocab ({dc.draft_vocab_size}), got {a.topk}")
+    prompts = a.prompt or DEFAULT_PROMPTS
+    longest = max(len(p.encode("utf-8")) for p in prompts)       # >= its token count (a token is >= 1 byte)
+    extra = num_draft_tokens + a.topk * a.topk * a.steps + a.steps + 2
+    cap = longest + a.max_new_tokens + extra
+    most = min(tc.max_position_embeddings, dc.max_position_embeddings)
+    if cap > most:
+        raise ValueError(f"--max-new-tokens {a.max_new_tokens}: prompt (up to {longest} tokens) + new tokens + "
+                         f"draft room ({extra}) = {cap} positions exceed the model's max_position_embeddings {most}")
+    n = a.batch or len(prompts)
+    pages = n * -(-cap // 16) + 1
+    kv_head = dc.kv_lora_rank + dc.qk_rope_head_dim if dc.kind == "mla" else 2 * dc.num_key_value_heads * dc.head_dim
+    cache = 4 * pages * 16 * (tc.num_hidden_layers * tc.kv_cache_dim + kv_head)
+    weights = 4 * (tc.param_count() + dc.param_count())
+    rows = 4 * n * max(num_draft_tokens, 1) * (tc.vocab_size + 3 * tc.hidden_size)
+    need = weights + 2 * cache + 2 * rows
+    have = available_memory_bytes()
+    if need > have:
+        raise ValueError(f"--batch {n} / --max-new-tokens {a.max_new_tokens}: needs about {need / 2 ** 30:.2f} GiB "
+                         f"(weights {weights / 2 ** 30:.2f}, KV caches {2 * cache / 2 ** 30:.2f}) but "
+                         f"{have / 2 ** 30:.2f} GiB is available")
+
+
+def resolve_capture_ids(a: argparse.Namespace, target_cfg: Any, draft_cfg: Any) -> tuple[tuple[int, ...], str]:
+    """(target layers to capture, where they came from): --aux-ids if given, else the draft config's
+    eagle_aux_hidden_state_layer_ids by the +1-when-first-is-1 rule, else the default (models.config)."""
+    override = getattr(a, "aux_ids_list", None)
+    ids = draft_cfg.capture_layer_ids(target_cfg.num_hidden_layers, override)
+    return ids, draft_cfg.aux_ids_origin(override is not None)
+
+
+def _json_safe(x: Any) -> Any:
+    """Non-finite floats -> None, recursively, so the output is strict JSON."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m models.generate", description=__doc__.split("\n")[0])
+    ap = _Parser(prog="python -m models.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--target", help="target checkpoint dir; its tiktoken.model + tokenizer_config.json are the "
                                      "tokenizer when present (default: the embedded tiny Kimi-format fixture, "
                                      "byte-level tokenizer)")
@@ -83,9 +267,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--draft-tokens", type=int, default=None,
                     help="tokens per verify incl. the root (chain: steps + 1; tree: its size, default "
                          "1 + steps*topk, capped at 8 on the triton backend)")
-    ap.add_argument("--temperature", type=float, default=0.0,
-                    help="0 = greedy; > 0 = sampled acceptance, chain or tree (target distribution preserved)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus of the target distribution when sampling")
+    ap.add_argument("--temperature", type=_finite_float("--temperature"), default=0.0,
+                    help=f"0 = greedy; >= {MIN_TEMPERATURE:g} = sampled acceptance, chain or tree (target "
+                         "distribution preserved)")
+    ap.add_argument("--top-p", type=_finite_float("--top-p"), default=1.0,
+                    help="nucleus of the target distribution when sampling, in (0, 1]")
     ap.add_argument("--backend", choices=("torch", "triton"), default="torch",
                     help="torch: float32 reference math; triton: the kdsl kernels (interpreter on CPU)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -94,21 +280,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 for tiny models)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    ap.add_argument("--aux-ids", default=None,
+                    help="target layers to capture for the draft, e.g. 2,4,5 (taken as given: the residual stream "
+                         "entering each layer; repeats allowed); default: the draft config's "
+                         "eagle_aux_hidden_state_layer_ids, else (2, N//2, N-3)")
     a = ap.parse_args(argv)
-    for name, v, lo in (("--steps", a.steps, 1), ("--topk", a.topk, 1), ("--max-new-tokens", a.max_new_tokens, 1),
-                        ("--batch", a.batch, 1), ("--threads", a.threads, 1)):
-        if v is not None and v < lo:
-            ap.error(f"{name} must be >= {lo}, got {v}")
-    if a.draft_tokens is not None and a.draft_tokens < 2:
-        ap.error(f"--draft-tokens must be >= 2, got {a.draft_tokens}")
-    if a.temperature < 0:
-        ap.error(f"--temperature must be >= 0, got {a.temperature}")
-    if not 0 < a.top_p <= 1:
-        ap.error(f"--top-p must be in (0, 1], got {a.top_p}")
-    if (a.target is None) != (a.draft is None):
-        ap.error("--target and --draft go together (or give neither for the embedded default)")
-    if a.prompt is not None and any(p == "" for p in a.prompt):
-        ap.error("--prompt must not be empty")
+    _validate_args(ap, a)
     return a
 
 
@@ -141,14 +318,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         tdir, ddir = default_checkpoints()
     else:
         tdir, ddir = _checkpoint_dir(a.target, "--target"), _checkpoint_dir(a.draft, "--draft")
+    _check_model_bounds(a, tdir, ddir, params.num_draft_tokens)
     t0 = time.perf_counter()
     tk = load_target(tdir)
-    dk = load_draft(ddir, tk.config)
+    dk = load_draft(ddir, tk.config, aux_ids=getattr(a, "aux_ids_list", None))
+    capture, aux_src = resolve_capture_ids(a, tk.config, dk.config)
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     elif tk.config.hidden_size <= 1024:
         torch.set_num_threads(1)               # tiny model: thread overhead dominates
-    target = KimiModel(tk, backend=a.backend)
+    target = KimiModel(tk, backend=a.backend, capture_ids=capture)
     draft = Eagle3Draft(dk, target_embed=tk.get("model.embed_tokens.weight"),
                         target_hidden=tk.config.hidden_size, backend=a.backend)
     load_s = time.perf_counter() - t0
@@ -176,7 +355,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return {
         "lossless": lossless, "backend": a.backend, "steps": a.steps, "topk": a.topk,
         "draft_tokens": params.num_draft_tokens, "temperature": a.temperature, "batch": n,
-        "tokenizer": tok.kind, "eos_ids": sorted(eos),
+        "tokenizer": tok.kind, "eos_ids": sorted(eos), "aux_ids": list(capture), "aux_ids_source": aux_src,
         "max_new_tokens": a.max_new_tokens, "target": str(tdir), "draft": str(ddir), "load_s": load_s,
         "accept_length": ms.accept_length, "acceptance_rate": ms.acceptance_rate,
         "per_position_acceptance": ms.per_position_acceptance, "accept_histogram": ms.histogram,
@@ -195,7 +374,8 @@ def report(r: dict[str, Any]) -> str:
     out = [f"target {r['target']}", f"draft  {r['draft']}",
            f"backend {r['backend']}, steps {r['steps']}, topk {r['topk']}, draft tokens {r['draft_tokens']}, "
            f"temperature {r['temperature']}, batch {r['batch']}, max new tokens {r['max_new_tokens']}, "
-           f"tokenizer {r['tokenizer']}", ""]
+           f"tokenizer {r['tokenizer']}",
+           f"aux ids (target layers captured) {r['aux_ids']}: {r['aux_ids_source']}", ""]
     for o in r["outputs"]:
         same = "" if r["lossless"] is None else "  [same]" if o["spec_ids"] == o["plain_ids"] else "  [DIFFERENT]"
         out.append(f"> {o['prompt']!r}\n  spec : {o['spec_text']!r}\n  plain: {o['plain_text']!r}{same}")
@@ -214,17 +394,29 @@ def report(r: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _one_line(e: BaseException) -> str:
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    if isinstance(e, OSError) and e.filename is not None:
+        msg = f"{e.filename}: {e.strerror or e}"
+    msg = str(msg).strip().splitlines()[0] if str(msg).strip() else type(e).__name__
+    return msg
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Exit 0 (lossless or sampled), 1 (greedy spec != plain), 2 (bad input: one line on stderr)."""
     a = parse_args(argv)
     try:
         r = run(a)
     except NotImplementedError as e:
-        print(f"error: not implemented yet: {e}", file=sys.stderr)
+        print(f"error: not implemented yet: {_one_line(e)}", file=sys.stderr)
         return 2
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except MemoryError:
+        print("error: out of memory; lower --batch or --max-new-tokens", file=sys.stderr)
         return 2
-    print(json.dumps(r) if a.json else report(r))
+    except (ValueError, KeyError, OSError, RuntimeError) as e:   # config / checkpoint / tokenizer / file errors
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    print(json.dumps(_json_safe(r), allow_nan=False) if a.json else report(r))
     return 1 if r["lossless"] is False else 0
 
 

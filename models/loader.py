@@ -29,7 +29,7 @@ import stat
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -500,14 +500,16 @@ def load_target(path: Union[str, Path], **kw) -> Checkpoint:
     return ck
 
 
-def load_draft(path: Union[str, Path], target: Optional[DeepseekV3Config] = None, **kw) -> Checkpoint:
+def load_draft(path: Union[str, Path], target: Optional[DeepseekV3Config] = None,
+               aux_ids: Optional[Sequence[int]] = None, **kw) -> Checkpoint:
     """Load an EAGLE-3 draft; with `target`, check hidden size (fc input = 3 x target hidden), vocab and
-    aux layer ids against it (errors name the field or tensor)."""
+    aux layer ids (`aux_ids` if given, e.g. --aux-ids, else the config's) against it (errors name the
+    field or tensor)."""
     cfg = load_config(path)
     if not isinstance(cfg, Eagle3Config):
         raise ConfigError(f"{path}: config 'architectures' does not name an EAGLE-3 draft")
     if target is not None:
-        check_draft_matches_target(cfg, target)
+        check_draft_matches_target(cfg, target, aux_ids)
     ck = load_checkpoint(path, **kw)
     if target is not None:
         fc = ck["fc.weight"]
