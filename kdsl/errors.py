@@ -27,3 +27,11 @@ class TraceError(KdslError):
 
 class CompileError(KdslError):
     """The backend compiler failed, or the result breaks a hard limit (LDS, spills in strict mode)."""
+
+
+class UsageError(KdslError):
+    """Bad command-line input: `param` is the flag (or its NAME=value part), `rule` what it must be."""
+
+    def __init__(self, param: str, rule: str, kernel: str | None = None) -> None:
+        self.kernel, self.param, self.rule = kernel, param, rule
+        Exception.__init__(self, (f"kernel {kernel!r}: " if kernel else "") + (f"{param} {rule}" if param else rule))
