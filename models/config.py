@@ -76,15 +76,16 @@ def _get(d: Mapping[str, Any], key: str, where: str, typ: Any, default: Any = _M
             if isinstance(v, bool) or isinstance(v, str):
                 raise TypeError
             f = float(v)
-            if not math.isfinite(f):
-                raise ConfigError(f"config field {name!r} must be a finite number, got {v!r}")
-            return f
+            if math.isfinite(f):
+                return f
         if typ is str:
             if not isinstance(v, str):
                 raise TypeError
             return v
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"config field {name!r} must be {typ.__name__}, got {v!r}") from None
+    if typ is float:
+        raise ConfigError(f"config field {name!r} must be a finite number, got {v!r}")
     return v
 
 

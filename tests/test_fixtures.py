@@ -94,3 +94,71 @@ def test_draft_layouts(headers):
     for k in ("eagle3", "eagle3-mla"):
         cfg = json.loads((headers[k][0] / "config.json").read_text())
         assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+
+
+# ----------------------------------------------------------------------------------------------
+# issue 11.5 / 11.8: directories the writer owns, completion marker, size bounds
+
+
+def test_rewrite_clears_stale_shards(tmp_path):
+    """A 4-shard fixture rewritten with 1 shard into the same directory leaves no old shard or index."""
+    from models.fixtures import MARKER, verify_fixture
+    from models.loader import load_checkpoint
+
+    d = tmp_path / "f"
+    write_fixture("eagle3", d, seed=1, shards=4)
+    assert len(list(d.glob("*.safetensors"))) == 4 and verify_fixture(d, "eagle3") is None
+    write_fixture("eagle3", d, seed=1, shards=1)
+    assert sorted(p.name for p in d.iterdir()) == sorted([MARKER, "config.json", "model.safetensors"])
+    assert verify_fixture(d, "eagle3") is None
+    load_checkpoint(d)
+
+
+def test_refuses_foreign_directory(tmp_path):
+    from models.fixtures import FixtureError
+
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "notes.txt").write_text("keep me")
+    with pytest.raises(FixtureError, match="not empty and holds no .kdsl-fixture marker"):
+        write_fixture("eagle3", d)
+    assert (d / "notes.txt").read_text() == "keep me"
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(FixtureError, match="not a directory"):
+        write_fixture("eagle3", f)
+
+
+def test_verify_fixture_detects_damage(tmp_path):
+    from models.fixtures import MARKER, verify_fixture
+
+    d = write_fixture("eagle3", tmp_path / "v", seed=1)
+    assert verify_fixture(d) is None and verify_fixture(d, "eagle3") is None
+    assert "not 'kimi-k25'" in verify_fixture(d, "kimi-k25")
+    shard = sorted(d.glob("*.safetensors"))[0]
+    b = shard.read_bytes()
+    shard.write_bytes(b[:-1] + bytes([b[-1] ^ 1]))
+    assert "changed" in verify_fixture(d)
+    shard.write_bytes(b)
+    (d / "extra.safetensors").write_bytes(b"x")
+    assert "extra" in verify_fixture(d)
+    (d / "extra.safetensors").unlink()
+    m = json.loads((d / MARKER).read_text())
+    (d / MARKER).write_text(json.dumps(dict(m, complete=False)))
+    assert "incomplete" in verify_fixture(d)
+    (d / MARKER).unlink()
+    assert "no .kdsl-fixture" in verify_fixture(d)
+
+
+def test_size_bounds(tmp_path):
+    from models.fixtures import FixtureError
+
+    for kw, msg in ((dict(hidden=0), "--hidden must be >= 1"), (dict(layers=-3), "--layers must be >= 1"),
+                    (dict(experts=8, topk=9), "--topk"), (dict(kv_heads=3), "--kv-heads"),
+                    (dict(rope_dim=15), "--rope-dim must be even"), (dict(group=24), "--group"),
+                    (dict(layers=1000, experts=1024, hidden=4096), "fixture budget"),
+                    (dict(vocab=8), "--vocab must be >= 16"), (dict(shards=10 ** 6), "--shards"),
+                    (dict(pack_method="zigzag"), "--pack-method")):
+        with pytest.raises(FixtureError, match=msg):
+            write_fixture("kimi-k25", tmp_path / "s", **kw)
+    assert not (tmp_path / "s").exists()          # refused before anything was written

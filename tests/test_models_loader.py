@@ -290,3 +290,132 @@ def test_stack_experts_fused_moe_layout(fx_dir, kind, fmt):
     assert torch.equal(deq(d["w2"][5], None if d["s2"] is None else d["s2"][5]), ref[p + "down_proj.weight"])
     with pytest.raises(FormatError, match="layer 0 is not a MoE layer"):
         stack_experts(ck, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# issue 11.5: untrusted checkpoints
+
+
+def _index(p: Path) -> dict:
+    return json.loads((p / "model.safetensors.index.json").read_text())
+
+
+def _write_index(p: Path, doc: dict) -> None:
+    (p / "model.safetensors.index.json").write_text(json.dumps(doc))
+
+
+def test_index_outside_directory_or_not_a_file(tmp_path):
+    from models.loader import LoadError
+
+    p = write_fixture("eagle3", tmp_path / "d", seed=1)
+    doc = _index(p)
+    name = next(iter(doc["weight_map"]))
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes((p / doc["weight_map"][name]).read_bytes())
+    for bad, why in ((str(outside), "points outside"), ("../outside.safetensors", "points outside"),
+                     ("sub", "not a regular file"), ("/dev/zero", "points outside"), (7, "must be a file name"),
+                     ("nope.safetensors", "does not exist")):
+        (p / "sub").mkdir(exist_ok=True)
+        d = json.loads(json.dumps(doc))
+        d["weight_map"][name] = bad
+        _write_index(p, d)
+        with pytest.raises(LoadError, match=why):
+            load_checkpoint(p)
+    _write_index(p, {"weight_map": "x"})
+    with pytest.raises(LoadError, match="weight_map"):
+        load_checkpoint(p)
+    (p / "model.safetensors.index.json").write_text('{"weight_map": {"a": "x", "a": "y"}}')
+    with pytest.raises(LoadError, match="index.json.*'a' appears twice"):
+        load_checkpoint(p)
+    (p / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(LoadError, match="index.json: not a readable JSON"):
+        load_checkpoint(p)
+
+
+def test_tensor_in_two_shards(tmp_path):
+    """A tensor stored twice (a stale shard, a hand-merged checkpoint) is refused naming both files."""
+    from models.loader import LoadError
+    from safetensors.torch import save_file
+
+    p = write_fixture("eagle3", tmp_path / "a", seed=1, shards=1)
+    save_file({"fc.weight": torch.zeros(64, 192, dtype=torch.bfloat16)}, str(p / "model-old.safetensors"))
+    with pytest.raises(LoadError, match=r"'fc\.weight' is stored in two shards.*model"):
+        load_checkpoint(p)
+    # indexed: a shard of the index that also holds another shard's tensor
+    q = write_fixture("eagle3", tmp_path / "b", seed=1)
+    wm = _index(q)["weight_map"]
+    first, second = sorted(set(wm.values()))
+    victim = next(n for n, f in wm.items() if f == first)
+    from safetensors.torch import load_file
+    t = load_file(str(q / second))
+    t[victim] = torch.zeros(1)
+    save_file(t, str(q / second))
+    with pytest.raises(LoadError, match="stored in two shards"):
+        load_checkpoint(q)
+    # index entry that its shard does not hold
+    r = write_fixture("eagle3", tmp_path / "c", seed=1)
+    doc = _index(r)
+    doc["weight_map"]["ghost.weight"] = first
+    _write_index(r, doc)
+    with pytest.raises(LoadError, match=r"'ghost\.weight' is mapped to shard .* which does not hold it"):
+        load_checkpoint(r)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "header"])
+def test_safetensors_errors_name_the_shard(tmp_path, damage):
+    from models.loader import LoadError
+
+    p = write_fixture("eagle3", tmp_path / damage, seed=1)
+    shard = sorted(p.glob("*.safetensors"))[-1]
+    b = shard.read_bytes()
+    if damage == "truncate":
+        shard.write_bytes(b[: len(b) // 2])
+    elif damage == "garbage":
+        shard.write_bytes(b"\xff" * 64)
+    else:
+        shard.write_bytes((10 ** 12).to_bytes(8, "little") + b[8:])
+    with pytest.raises(LoadError, match=f"shard .*{shard.name}"):
+        load_checkpoint(p)
+
+
+def test_config_sizes_beyond_the_shards_fail_before_loading(tmp_path):
+    """num_hidden_layers / n_routed_experts far beyond the stored tensors: refused in O(1), by name."""
+    from models.loader import LoadError
+
+    for field, value in (("num_hidden_layers", 1000), ("n_routed_experts", 16000), ("vocab_size", 1 << 23)):
+        p = _edit(tmp_path, "kimi-k25-bf16", field, cfg=lambda c: c["text_config"].__setitem__(field, value))
+        with pytest.raises(LoadError, match="config.json implies .* parameters .* shards hold"):
+            load_checkpoint(p)
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("language_model.model.layers.2.input_layernorm.weight", "kimi-k25-bf16"),
+    ("language_model.model.layers.1.mlp.gate.e_score_correction_bias", "kimi-k25"),
+    ("language_model.model.layers.1.mlp.experts.3.up_proj.weight_scale", "kimi-k25"),
+    ("midlayer.hidden_norm.weight", "eagle3"),
+])
+def test_non_finite_cheap_tensors_refused(tmp_path, name, kind):
+    from models.loader import LoadError
+
+    fx = build_fixture(kind, seed=5)
+    t = fx.tensors[name].clone()
+    t.view(-1)[1] = float("nan")
+    fx.tensors[name] = t
+    p = save_fixture(fx, tmp_path / "x")
+    base = name.removeprefix("language_model.").removesuffix("_scale")
+    with pytest.raises(LoadError, match=f"tensor '{base}'.*(NaN or Inf)"):
+        load_checkpoint(p)
+    ck = load_checkpoint(p, check_finite=False)      # the check can be switched off
+    assert ck is not None
+
+
+def test_non_finite_large_weight_warns_with_name(tmp_path):
+    from models.loader import NonFiniteWeightWarning
+
+    fx = build_fixture("kimi-k25-bf16", seed=5)
+    n = "language_model.model.layers.0.self_attn.o_proj.weight"
+    t = fx.tensors[n].clone()
+    t[3, 4] = float("inf")
+    fx.tensors[n] = t
+    with pytest.warns(NonFiniteWeightWarning, match=r"model\.layers\.0\.self_attn\.o_proj\.weight"):
+        load_checkpoint(save_fixture(fx, tmp_path / "w"))
