@@ -220,10 +220,12 @@ def _read_json(path: Path) -> Optional[dict[str, Any]]:
     if not path.exists():
         return None
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             d = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read ({e.strerror or e})") from None
     if not isinstance(d, dict):
         raise TokenizerError(f"{path}: expected a JSON object")
     return d
