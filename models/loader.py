@@ -18,7 +18,9 @@
   tensor is read, the config's parameter count must fit the shard bytes (>= 0.5 byte per parameter,
   the int4 minimum), so a config with absurd sizes fails by name instead of exhausting memory.
   Non-finite values: norms, biases, `e_score_correction_bias`, quantization scales and other 1-D float
-  tensors are refused (cheap); a non-finite dense 2-D weight is reported with a warning naming it.
+  tensors are refused (cheap); a non-finite large weight is reported with a warning naming it, checked
+  whenever its bytes are read anyway (a move to a GPU, a dtype conversion) or with check_finite="all"
+  (on the CPU a weight may stay memory-mapped, unread, until the model uses it).
 """
 from __future__ import annotations
 
@@ -385,26 +387,36 @@ def _fp8_nan(t: torch.Tensor) -> torch.Tensor:
     return b == 0x80 if t.dtype == torch.float8_e4m3fnuz else (b & 0x7F) == 0x7F
 
 
+def _all_finite(t: torch.Tensor, chunk: int = 1 << 18) -> bool:
+    """isfinite over bounded chunks, so the check's temporaries stay small next to the weights."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(c).all()) for c in flat.split(chunk))
+
+
 _SMALL_SUFFIXES = ("norm.weight", "layernorm.weight", ".bias", "e_score_correction_bias")
 
 
-def _check_finite(name: str, w: Weight) -> None:
+def _check_finite(name: str, w: Weight, large: bool) -> None:
     """Refuse non-finite norms, biases, routing biases, quantization scales and other 1-D float tensors
-    (cheap); warn, naming the tensor, for a non-finite dense 2-D (or larger) weight."""
+    (cheap: always); with `large`, warn, naming the tensor, for a non-finite dense 2-D (or larger) weight."""
     if isinstance(w, QuantLinear):
         for what, t in (("scale", w.scale), ("input_scale", w.input_scale)):
-            if t is not None and t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+            if t is not None and t.dtype.is_floating_point and not _all_finite(t):
                 raise LoadError(f"tensor {name!r}: its quantization {what} holds NaN or Inf")
-        if w.kind == "fp8" and bool(_fp8_nan(w.packed).any()):
+        if large and w.kind == "fp8" and any(bool(_fp8_nan(c).any()) for c in w.packed.reshape(-1).split(1 << 20)):
             warnings.warn(f"tensor {name!r}: fp8 weight holds NaN", NonFiniteWeightWarning, stacklevel=3)
         return
     if not w.dtype.is_floating_point or w.numel() == 0:
         return
-    if bool(torch.isfinite(w).all()):
+    small = w.dim() <= 1 or name.endswith(_SMALL_SUFFIXES)
+    if not (small or large) or _all_finite(w):
         return
-    if w.dim() <= 1 or name.endswith(_SMALL_SUFFIXES):
+    if small:
         raise LoadError(f"tensor {name!r} holds NaN or Inf (a norm, bias or scale must be finite)")
     warnings.warn(f"tensor {name!r} holds NaN or Inf", NonFiniteWeightWarning, stacklevel=3)
+
+
+_FINITE_MODES = {False: "off", True: "all", "off": "off", "auto": "auto", "all": "all"}
 
 
 def _check_budget(root: Path, cfg: ModelConfig, stored: dict[str, Path]) -> None:
@@ -421,15 +433,22 @@ def _check_budget(root: Path, cfg: ModelConfig, stored: dict[str, Path]) -> None
 
 def load_checkpoint(path: Union[str, Path], *, arch: Optional[str] = None, dtype: Optional[torch.dtype] = None,
                     int4_pack: Optional[str] = None, device: Union[str, torch.device] = "cpu",
-                    validate: bool = True, check_finite: bool = True) -> Checkpoint:
+                    validate: bool = True, check_finite: Union[bool, str] = "auto") -> Checkpoint:
     """Load a target or draft checkpoint directory (family from its config.json).
 
     arch: target GPU arch ("gfx942" converts fp8 weights to e4m3fnuz with doubled scales); None/"cpu"
     keeps e4m3fn. dtype: convert bf16/f16 tensors by value (f32 tensors such as the routing bias stay
     f32). int4_pack: repack int4 words to this packing (None keeps the stored one). device: each weight
     is moved there right after it is built (host peak stays ~ one tensor when loading to a GPU).
-    check_finite: refuse non-finite norms / biases / scales, warn for other weights (module docstring).
+    check_finite: "auto" (default) refuses non-finite norms / biases / scales and warns for a non-finite
+    large weight whenever its bytes are read anyway (moved to another device, or converted by `dtype`);
+    "all" (or True) also reads the large weights that would stay memory-mapped on the CPU (their pages
+    then count in the process's resident memory); "off" (or False) checks nothing.
     """
+    if check_finite not in _FINITE_MODES:
+        raise ValueError(f"check_finite must be 'off', 'auto' or 'all', got {check_finite!r}")
+    finite = _FINITE_MODES[check_finite]
+    off_host = torch.device(device).type != "cpu"
     root = Path(path)
     cfg = load_config(root)
     stored = _shard_map(root)
@@ -469,10 +488,11 @@ def load_checkpoint(path: Union[str, Path], *, arch: Optional[str] = None, dtype
         if b + ".weight" in weights:
             continue
         w, used = build_linear(b, sh.get, sh.present, sh.dtype_of, qm, qpack, arch=arch, int4_pack=int4_pack)
-        if isinstance(w, torch.Tensor) and dtype is not None and w.dtype in (torch.bfloat16, torch.float16):
+        conv = isinstance(w, torch.Tensor) and dtype is not None and w.dtype in (torch.bfloat16, torch.float16)
+        if conv:
             w = w.to(dtype)
-        if check_finite:
-            _check_finite(b + ".weight", w)
+        if finite != "off":
+            _check_finite(b + ".weight", w, finite == "all" or off_host or conv)
         weights[b + ".weight"] = w.to(device)
         done.update(used)
     for n in names:
@@ -481,10 +501,11 @@ def load_checkpoint(path: Union[str, Path], *, arch: Optional[str] = None, dtype
                 raise LoadError(f"tensor {n!r} has no matching weight")
             continue
         t = sh.get(n)
-        if dtype is not None and t.dtype in (torch.bfloat16, torch.float16):
+        conv = dtype is not None and t.dtype in (torch.bfloat16, torch.float16)
+        if conv:
             t = t.to(dtype)
-        if check_finite:
-            _check_finite(n, t)
+        if finite != "off":
+            _check_finite(n, t, finite == "all" or off_host or conv)
         weights[n] = t.to(device)
     ck = Checkpoint(root, cfg, weights, skipped)
     if validate:

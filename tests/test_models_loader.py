@@ -417,5 +417,9 @@ def test_non_finite_large_weight_warns_with_name(tmp_path):
     t = fx.tensors[n].clone()
     t[3, 4] = float("inf")
     fx.tensors[n] = t
-    with pytest.warns(NonFiniteWeightWarning, match=r"model\.layers\.0\.self_attn\.o_proj\.weight"):
-        load_checkpoint(save_fixture(fx, tmp_path / "w"))
+    p = save_fixture(fx, tmp_path / "w")
+    for kw in (dict(check_finite="all"), dict(dtype=torch.float32)):   # read in full, or converted anyway
+        with pytest.warns(NonFiniteWeightWarning, match=r"model\.layers\.0\.self_attn\.o_proj\.weight"):
+            load_checkpoint(p, **kw)
+    with pytest.raises(ValueError, match="check_finite must be"):
+        load_checkpoint(p, check_finite="some")
