@@ -140,7 +140,10 @@ def build_linear(base: str, get: Callable[[str], torch.Tensor], present: Callabl
                               f"config's quant method is {quant_method!r}")
         for s in ("weight_scale", "weight_shape"):
             _need(f"{base}.{s}", present, "compressed-tensors pack-quantized needs it")
-        shp = take(base + ".weight_shape").flatten().tolist()
+        ws = take(base + ".weight_shape")
+        if ws.dtype.is_floating_point or ws.dtype == torch.bool:
+            raise FormatError(f"tensor {base + '.weight_shape'!r} must be an integer tensor, got {ws.dtype}")
+        shp = ws.flatten().tolist()
         if len(shp) != 2:
             raise _shape_err(base + ".weight_shape", torch.Size([len(shp)]), "[2]")
         n, k = int(shp[0]), int(shp[1])
