@@ -738,7 +738,7 @@ def load_config(path: Union[str, Path]) -> ModelConfig:
         raise FileNotFoundError(f"no config.json at {p}")
     try:
         with open(p, "rb") as f:
-            raw = f.read(1 << 24 + 1)
+            raw = f.read((1 << 24) + 1)
         if len(raw) > 1 << 24:
             raise ConfigError(f"{p}: larger than 16 MiB; not a model config")
         d = json.loads(raw)

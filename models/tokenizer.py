@@ -219,6 +219,8 @@ def _pieces(text: str) -> Iterator[str]:
 def _read_json(path: Path) -> Optional[dict[str, Any]]:
     if not path.exists():
         return None
+    if not path.is_file():
+        raise TokenizerError(f"{path}: not a regular file")
     try:
         with open(path, encoding="utf-8") as f:
             d = json.load(f)
@@ -237,6 +239,8 @@ def load_tokenizer(checkpoint: Union[str, Path], vocab_size: int) -> Tokenizer:
     model = root / "tiktoken.model"
     if not model.exists():
         return ByteTokenizer(vocab_size)
+    if not model.is_file():
+        raise TokenizerError(f"{model}: not a regular file")
     tok = TiktokenTokenizer(model, _read_json(root / "tokenizer_config.json"))
     if tok.vocab_size > vocab_size:
         raise TokenizerError(f"{model}: the tokenizer has {tok.vocab_size} ids ({tok.num_base} BPE + specials), "

@@ -134,3 +134,18 @@ def test_generation_eos_priority(tmp_path, tok_dir, tok):
     with pytest.raises(TokenizerError, match="eos_token_id must be"):
         generation_eos_ids(d, tok)
     assert generation_eos_ids(tmp_path / "missing", None) == frozenset()
+
+
+def test_tokenizer_files_must_be_regular_files(tmp_path):
+    """A FIFO or directory in place of tiktoken.model / a JSON file is refused by name (never opened:
+    a FIFO would block)."""
+    import os
+
+    from models.tokenizer import TokenizerError, generation_eos_ids, load_tokenizer
+
+    os.mkfifo(tmp_path / "tiktoken.model")
+    with pytest.raises(TokenizerError, match="tiktoken.model: not a regular file"):
+        load_tokenizer(tmp_path, 1024)
+    (tmp_path / "generation_config.json").mkdir()
+    with pytest.raises(TokenizerError, match="generation_config.json: not a regular file"):
+        generation_eos_ids(tmp_path)
