@@ -226,15 +226,26 @@ def _check_model_bounds(a: argparse.Namespace, tdir: Path, ddir: Path, num_draft
     n = a.batch or len(prompts)
     pages = n * -(-cap // 16) + 1
     kv_head = dc.kv_lora_rank + dc.qk_rope_head_dim if dc.kind == "mla" else 2 * dc.num_key_value_heads * dc.head_dim
-    cache = 4 * pages * 16 * (tc.num_hidden_layers * tc.kv_cache_dim + kv_head)
-    weights = 4 * (tc.param_count() + dc.param_count())
+    act = 4 if a.backend == "torch" else 2                       # float32 reference math, bf16 kernels
+    cache = act * pages * 16 * (tc.num_hidden_layers * tc.kv_cache_dim + kv_head)
     rows = 4 * n * max(num_draft_tokens, 1) * (tc.vocab_size + 3 * tc.hidden_size)
+    if a.backend == "torch":                                     # weights dequantized to float32
+        weights = 4 * (tc.param_count() + dc.param_count())
+    else:                                                        # kept as stored
+        weights = sum(f.stat().st_size for d in (tdir, ddir) for f in d.glob("*.safetensors") if f.is_file())
+    device = str(getattr(a, "device", None) or "cpu")
+    if device != "cpu":
+        # caches and weights live on the device: bound by its free memory when it can be asked
+        if not (device.startswith("cuda") and torch.cuda.is_available()):
+            return
+        have = torch.cuda.mem_get_info(torch.device(device))[0]
+    else:
+        have = available_memory_bytes()
     need = weights + 2 * cache + 2 * rows
-    have = available_memory_bytes()
     if need > have:
         raise ValueError(f"--batch {n} / --max-new-tokens {a.max_new_tokens}: needs about {need / 2 ** 30:.2f} GiB "
                          f"(weights {weights / 2 ** 30:.2f}, KV caches {2 * cache / 2 ** 30:.2f}) but "
-                         f"{have / 2 ** 30:.2f} GiB is available")
+                         f"{have / 2 ** 30:.2f} GiB is available on {device}")
 
 
 def resolve_capture_ids(a: argparse.Namespace, target_cfg: Any, draft_cfg: Any) -> tuple[tuple[int, ...], str]:
