@@ -358,3 +358,277 @@ def moe_stage2_mxfp4_bf16a(inter: kd.In["S", "I", kd.bf16], inter_scale: kd.In["
 
 KERNELS = (quant_mxfp4, quant_fp8_static, gemm_mxfp4, gemm_mxfp4_bf16a, moe_stage1_mxfp4, moe_stage1_mxfp4_fp8,
            moe_stage1_mxfp4_bf16a, moe_stage2_mxfp4, moe_stage2_mxfp4_fp8, moe_stage2_mxfp4_bf16a)
+
+
+@kd.kernel(example={"M": 1, "K": KIMI["H"], "ONE": 1})
+def quant_fp8_static_bf16(x: kd.In["M", "K", kd.bf16], x_scale: kd.In["ONE", kd.f32], q: kd.Out["M", "K", kd.bf16]):
+    """The e4m3fn values of `quant_fp8_static`, widened to bf16 (exact): the fp8 activations of the
+    W4A8 scheme on targets whose native fp8 is not OCP (gfx942), fed to the bf16 x e2m1 kernels."""
+    m, k = kd.grid(kd.each("M"), kd.tile("K", "BLOCK_K", domain=(256, 512, 1024), default=512))
+    y = kd.minimum(kd.maximum(x[m, k].to(kd.f32) / x_scale[0], -FP8_MAX), FP8_MAX)
+    q[m, k] = y.to(kd.fp8e4m3fn).to(kd.f32)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch-facing ops
+
+ACTS = ("mxfp4", "fp8", "bf16")
+
+
+def mx_path(target: kd.Target | None = None) -> str:
+    """"native": the MX operands go to `tl.dot_scaled` as they are (gfx950's scaled MFMA, the
+    interpreter's exact emulation, NVIDIA's upcast); "upcast": the arch has no OCP fp8 (gfx942), so
+    fp8 activations are widened to bf16 (exact) for the bf16 x e2m1 kernels; e2m1 x e2m1 still runs
+    through `tl.dot_scaled`, which Triton lowers to bf16 MFMA there."""
+    t = target or kd.current_target()
+    return "upcast" if t.name.startswith("gfx94") else "native"
+
+
+def _check_mx(name: str, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if t.dtype != torch.uint8:
+        raise TypeError(f"{name} must be uint8 ({what}), got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must be {what} of shape {list(shape)}, got {tuple(t.shape)}")
+
+
+def _check_x(op: str, x: torch.Tensor) -> None:
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] % GROUP:
+        raise ValueError(f"{op}: x must be bf16 [M, K] with K a multiple of {GROUP}, got {x.dtype} {tuple(x.shape)}")
+
+
+def quantize_mxfp4(x: torch.Tensor, backend: str = "triton", config: dict | None = None,
+                   rule: str = "quark") -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [M, K] -> (packed uint8 [M, K/2], E8M0 scales uint8 [M, K/32]), dynamic per 32."""
+    _check_x("quantize_mxfp4", x)
+    _check_backend(backend)
+    if rule not in SCALE_RULES:
+        raise ValueError(f"quantize_mxfp4: rule must be one of {SCALE_RULES}, got {rule!r}")
+    if backend == "torch":
+        return quant_mxfp4_ref(x, rule)
+    M, K = x.shape
+    q = torch.empty(M, K // 2, dtype=torch.uint8, device=x.device)
+    s = torch.empty(M, K // GROUP, dtype=torch.uint8, device=x.device)
+    cfg = dict(config_for(quant_mxfp4, {"K": K}, M, config))
+    cfg["SCALE_RULE"] = rule
+    quant_mxfp4(x.contiguous(), q, s, config=cfg)
+    return q, s
+
+
+def _quant_fp8(x: torch.Tensor, scale: torch.Tensor, path: str) -> torch.Tensor:
+    """Static per-tensor fp8 activations: e4m3fn ("native") or their values as bf16 ("upcast")."""
+    M, K = x.shape
+    if path == "native":
+        q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+        quant_fp8_static(x, scale, q, config=config_for(quant_fp8_static, {"K": K}, M, None))
+    else:
+        q = torch.empty(M, K, dtype=torch.bfloat16, device=x.device)
+        quant_fp8_static_bf16(x, scale, q, config=config_for(quant_fp8_static_bf16, {"K": K}, M, None))
+    return q
+
+
+def gemm_mxfp4_w4a4(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, backend: str = "triton",
+                    config: dict | None = None) -> torch.Tensor:
+    """y = MXFP4(x) @ W^T -> bf16 [M, N]: x bf16 [M, K] quantized per 32 (Quark rule), W MXFP4."""
+    _check_x("gemm_mxfp4_w4a4", x)
+    M, K = x.shape
+    N = w.shape[0]
+    _check_mx("gemm_mxfp4_w4a4: w", w, (N, K // 2), "packed fp4")
+    _check_mx("gemm_mxfp4_w4a4: w_scale", w_scale, (N, K // GROUP), "E8M0 per 32")
+    xq, xs = quantize_mxfp4(x, backend)
+    if backend == "torch":
+        return gemm_mxfp4_ref(xq, xs, w, w_scale).to(torch.bfloat16)
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    gemm_mxfp4(xq, xs, w, w_scale, out, config=config_for(gemm_mxfp4, {"N": N, "K": K}, M, config))
+    return out
+
+
+@dataclass
+class MXFP4Weights:
+    """Routed experts in MXFP4 (the fused-MoE layout of ops.moe with fp4 bytes and E8M0 scales):
+    w13 uint8 [E, 2I, H/2] (gate rows then up rows), s13 uint8 [E, 2I, H/32]; w2 uint8 [E, H, I/2],
+    s2 uint8 [E, H, I/32]. act: "mxfp4" (W4A4, dynamic per 32), "fp8" (W4A8: static per-tensor
+    scales a13_scale / a2_scale, f32 [1]) or "bf16" (no activation quantization)."""
+    w13: torch.Tensor
+    s13: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+    act: str = "mxfp4"
+    a13_scale: torch.Tensor | None = None
+    a2_scale: torch.Tensor | None = None
+    fmt: str = field(default="mxfp4", init=False)
+
+    def dims(self) -> tuple[int, int, int]:
+        """(E, H, I) from the tensors, validating every shape and dtype."""
+        if self.act not in ACTS:
+            raise ValueError(f"MXFP4Weights: act must be one of {ACTS}, got {self.act!r}")
+        if self.w13.dim() != 3 or self.w2.dim() != 3:
+            raise ValueError(f"MXFP4Weights: w13 and w2 must be 3-D, got {tuple(self.w13.shape)} and {tuple(self.w2.shape)}")
+        E, N2, H2 = self.w13.shape
+        if N2 % 2:
+            raise ValueError(f"MXFP4Weights: w13 rows must be 2*I (gate then up), got {N2}")
+        I, H = N2 // 2, H2 * 2
+        for name, kk in (("hidden size H", H), ("intermediate size I", I)):
+            if kk % GROUP:
+                raise ValueError(f"MXFP4Weights: {name}={kk} must be a multiple of {GROUP}")
+        _check_mx("MXFP4Weights.w13", self.w13, (E, N2, H // 2), "packed fp4")
+        _check_mx("MXFP4Weights.s13", self.s13, (E, N2, H // GROUP), "E8M0 per 32")
+        _check_mx("MXFP4Weights.w2", self.w2, (E, H, I // 2), "packed fp4")
+        _check_mx("MXFP4Weights.s2", self.s2, (E, H, I // GROUP), "E8M0 per 32")
+        if self.act == "fp8":
+            for name, t in (("a13_scale", self.a13_scale), ("a2_scale", self.a2_scale)):
+                if t is None or t.numel() != 1 or t.dtype != torch.float32:
+                    raise ValueError(f"MXFP4Weights(act=fp8): {name} must be an f32 tensor of one element")
+        return E, H, I
+
+    def dequant(self, which: str) -> torch.Tensor:
+        """Exact f32 experts [E, N, K] ("13" or "2")."""
+        return dequant_mxfp4_ref(self.w13, self.s13) if which == "13" else dequant_mxfp4_ref(self.w2, self.s2)
+
+
+def _act_ref(h: torch.Tensor, act: str, scale: torch.Tensor | None) -> tuple[torch.Tensor, float | torch.Tensor]:
+    """The activation values the dot sees (f32) and the factor applied after it."""
+    if act == "mxfp4":
+        q, s = quant_mxfp4_ref(h)
+        return dequant_mxfp4_ref(q, s), 1.0
+    if act == "fp8":
+        return quant_fp8_static_ref(h, scale).float(), scale.float().reshape(())
+    return h.float(), 1.0
+
+
+def experts_ref(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MXFP4Weights) -> torch.Tensor:
+    """Torch reference of the MXFP4 routed experts (same quantizations and roundings as the
+    kernels; dots in f64): f32 [M, H]."""
+    E, H, I = w.dims()
+    M = ids.shape[0]
+    out = torch.zeros(M, H, dtype=torch.float64, device=x.device)
+    w13, w2 = w.dequant("13"), w.dequant("2")
+    a, fa = _act_ref(x.to(torch.bfloat16), w.act, w.a13_scale)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gu = (a[tok].double() @ w13[e].double().t()).float()
+        h = (torch.nn.functional.silu(gu[:, :I] * fa) * (gu[:, I:] * fa)).to(torch.bfloat16)
+        a2, f2 = _act_ref(h, w.act, w.a2_scale)
+        y = (a2.double() @ w2[e].double().t()).float() * f2
+        out.index_add_(0, tok, (y * wts[tok, slot][:, None]).double())
+    return out.float()
+
+
+STAGE1 = {"mxfp4": moe_stage1_mxfp4, "fp8": moe_stage1_mxfp4_fp8, "bf16": moe_stage1_mxfp4_bf16a}
+STAGE2 = {"mxfp4": moe_stage2_mxfp4, "fp8": moe_stage2_mxfp4_fp8, "bf16": moe_stage2_mxfp4_bf16a}
+
+
+def stage_kernels(act: str, path: str = "native") -> tuple[kd.Kernel, kd.Kernel]:
+    """The (stage 1, stage 2) kernels an activation scheme runs on a path (`mx_path`)."""
+    if act == "fp8" and path == "upcast":
+        return STAGE1["bf16"], STAGE2["bf16"]
+    return STAGE1[act], STAGE2[act]
+
+
+def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MXFP4Weights,
+                  backend: str = "triton", config: dict | None = None, check_ids: bool = True) -> torch.Tensor:
+    """MXFP4 routed-expert output f32 [M, H] = sum_k wts[m,k] * expert_{ids[m,k]}(x[m]) (the
+    interface of ops.moe.fused_experts). config: "stage1"/"stage2" kernel configs (BLOCK_M of
+    stage 1 is used by both) and "path" ("native" | "upcast", default `mx_path()`)."""
+    _check_backend(backend)
+    E, H, I = w.dims()
+    M = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != H:
+        raise ValueError(f"fused_experts(mxfp4): hidden must be [M, H={H}], got {tuple(x.shape)}")
+    if ids.shape != wts.shape or ids.dim() != 2 or ids.shape[0] != M:
+        raise ValueError(f"fused_experts(mxfp4): ids and weights must both be [M={M}, top_k], "
+                         f"got {tuple(ids.shape)} and {tuple(wts.shape)}")
+    top_k = ids.shape[1]
+    if top_k > E:
+        raise ValueError(f"fused_experts(mxfp4): top_k={top_k} exceeds the number of experts {E}")
+    if check_ids and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
+        raise ValueError(f"fused_experts(mxfp4): expert ids out of range [0, {E}): got [{int(ids.min())}, {int(ids.max())}]")
+    if backend == "torch":
+        return experts_ref(x, ids, wts, w)
+    path = (config or {}).get("path") or mx_path()
+    if path not in ("native", "upcast"):
+        raise ValueError(f"fused_experts(mxfp4): config path must be 'native' or 'upcast', got {path!r}")
+    k1, k2 = stage_kernels(w.act, path)
+    prob = {"E": E, "K": H, "H": H, "I": I, "TOPK": top_k}
+    c1 = dict((config or {}).get("stage1") or config_for(k1, prob, M, None))
+    c2 = dict((config or {}).get("stage2") or config_for(k2, prob, M, None))
+    c1["BLOCK_M"] = c2["BLOCK_M"] = c1.get("BLOCK_M", 16)  # both stages walk the same aligned blocks
+    sorted_ids, bexp = moe_align(ids, E, c1["BLOCK_M"], check=False)
+    S, T = sorted_ids.numel(), M * top_k
+    inter = torch.zeros(S, I, dtype=torch.bfloat16, device=x.device)  # padding rows stay finite
+    xb = x.to(torch.bfloat16).contiguous()
+    one = torch.ones(1, dtype=torch.float32, device=x.device)
+    if w.act == "mxfp4":
+        xq, xs = quantize_mxfp4(xb)
+        k1(xq, xs, w.w13, w.s13, sorted_ids, bexp, inter, top_k, config=c1)
+        a2 = quantize_mxfp4(inter)
+    elif w.act == "fp8":
+        k1(_quant_fp8(xb, w.a13_scale, path), w.a13_scale, w.w13, w.s13, sorted_ids, bexp, inter, top_k, config=c1)
+        a2 = (_quant_fp8(inter, w.a2_scale, path), w.a2_scale)
+    else:
+        k1(xb, one, w.w13, w.s13, sorted_ids, bexp, inter, top_k, config=c1)
+        a2 = (inter, one)
+    atomic = c2.get("REDUCE", "atomic") == "atomic"
+    out = torch.zeros(M if atomic else 0, H, dtype=torch.float32, device=x.device)
+    part = torch.empty(0 if atomic else T, H, dtype=torch.float32, device=x.device)
+    k2(*a2, w.w2, w.s2, sorted_ids, bexp, wts.reshape(-1).float().contiguous(), out, part, top_k, config=c2)
+    if atomic:
+        return out
+    res = torch.empty(M, H, dtype=torch.float32, device=x.device)
+    moe_sum(part, res, top_k)
+    return res
+
+
+def fused_moe(hidden: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, experts: MXFP4Weights,
+              shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              cfg: MoEConfig | None = None, backend: str = "triton", config: dict | None = None) -> torch.Tensor:
+    """One MoE layer with MXFP4 experts: bf16 [M, H] -> bf16 [M, H] (routing and the shared expert
+    as in ops.moe.fused_moe; the router weight is bf16, an MXFP4 router dequantized exactly)."""
+    cfg = cfg or MoEConfig()
+    _check_backend(backend)
+    E, H, I = experts.dims()
+    if hidden.dim() != 2 or hidden.shape[1] != H:
+        raise ValueError(f"fused_moe(mxfp4): hidden must be [M, H={H}], got {tuple(hidden.shape)}")
+    if tuple(router_w.shape) != (E, H):
+        raise ValueError(f"fused_moe(mxfp4): router weight must be [E={E}, H={H}], got {tuple(router_w.shape)}")
+    ids, wts = route(hidden, router_w, bias, cfg.top_k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+                     cfg.routed_scaling_factor, backend=backend, config=config)
+    y = fused_experts(hidden, ids, wts, experts, backend=backend, config=config, check_ids=False)
+    s = shared_expert_ref(hidden, shared)
+    return (y if s is None else y + s).to(torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# model-layer glue: one entry point for every expert format
+
+def experts_weights(stacked: dict):
+    """`models.loader.stack_experts(...)` output -> the weight object the fused-MoE ops take:
+    MXFP4Weights for fmt "mxfp4", else ops.moe.MoEWeights."""
+    from ops.moe import MoEWeights
+
+    d = dict(stacked)
+    if d.get("fmt") == "mxfp4":
+        d.pop("fmt")
+        return MXFP4Weights(**d)
+    return MoEWeights(**d)
+
+
+def fused_experts_any(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w, backend: str = "triton",
+                      config: dict | None = None, check_ids: bool = True) -> torch.Tensor:
+    """ops.moe.fused_experts for MoEWeights, this module's for MXFP4Weights (same signature)."""
+    if isinstance(w, MXFP4Weights):
+        return fused_experts(x, ids, wts, w, backend=backend, config=config, check_ids=check_ids)
+    from ops.moe import fused_experts as moe_fused_experts
+
+    return moe_fused_experts(x, ids, wts, w, backend=backend, config=config, check_ids=check_ids)
+
+
+@kd.kernel(example={"N": 4096, "K": KIMI["H"], "KG": KIMI["H"] // GROUP}, checks=GEMM_CHECKS)
+def dequant_mxfp4(w: kd.In["N", "K", kd.fp4_e2m1], ws: kd.In["N", "KG", kd.e8m0], out: kd.Out["N", "K", kd.f32]):
+    """MXFP4 -> f32 (exact; E8M0 0xFF gives NaN): the dequantizing path's decode, and the check
+    that the kernels decode every code and every scale as the OCP reference does."""
+    n, k = kd.grid(kd.tile("N", "BLOCK_N", domain=(16, 32, 64), default=16),
+                   kd.tile("K", "BLOCK_K", domain=(64, 128, 256), default=128))
+    out[n, k] = kd.mx_decode(w[n, k], ws[n, kd.mx_groups(k, kd.dim("KG"))])
+
+
+KERNELS = KERNELS + (quant_fp8_static_bf16, dequant_mxfp4)
