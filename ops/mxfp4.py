@@ -13,14 +13,15 @@ Activation schemes (vLLM's Quark schemes):
   checkpoint (`input_scale`), x_fp8 = clamp(x / s, +-448); e4m3 x e2m1 dot, times s in the epilogue.
 - bf16 x e2m1 (`*_bf16a` kernels): no activation quantization; the dequantizing path.
 
-Scale rule of the dynamic quantizer (SCALE_RULE): "quark" (default) is the rule of Quark's exporter
-and AMD's kernels (aiter `dynamic_mxfp4_quant`, vLLM's emulation): round the group's absmax up at
-the 0.75 mantissa point (bits + 0x200000, keep the exponent), then s = floor(log2(amax)) - 2,
-clamped to [-127, 127]. "ocp" is the spec's rule without that rounding: s = floor(log2(absmax)) - 2
-(emax of E2M1 = 2). Values are scaled by 2^-s (exact) and rounded to the E2M1 grid to nearest, ties
-to the even code, saturating at +-6; the sign of values rounding to 0 is kept (-0 = code 8). A NaN
-input becomes a signed zero code and an inf/NaN absmax gives s = 127 (UNCONFIRMED: what Quark writes
-for non-finite groups; never produced from finite activations).
+Scale rule of the dynamic quantizer (SCALE_RULE, named after Quark's `scale_calculation_mode`):
+"even" (default; the formula of vLLM's MXFP4 emulation and AMD's aiter `dynamic_mxfp4_quant`) rounds
+the group's absmax half-up to E2M1's one mantissa bit (bits + 0x200000, keep sign and exponent), then
+s = floor(log2(amax)) - 2, clamped to [-127, 127]. UNCONFIRMED: that this is exactly Quark's own
+`even_round` (recalled, not read). "floor" is the OCP spec's rule: s = floor(log2(absmax)) - 2
+(emax of E2M1 = 2), no rounding. Values are scaled by 2^-s (exact) and rounded to the E2M1 grid to
+nearest, ties to the even code, saturating at +-6; the sign of values rounding to 0 is kept
+(-0 = code 8). A NaN input becomes a signed zero code and an inf/NaN absmax gives s = 127
+(UNCONFIRMED: what Quark writes for non-finite groups; never produced from finite activations).
 
 Paths, chosen by `mx_path(target)`: "native" where `tl.dot_scaled` runs the MX operands directly
 (gfx950: scaled MFMA; the CPU interpreter: exact f32 emulation); "dequant" elsewhere (gfx942 has no MX
@@ -47,7 +48,7 @@ GROUP = kd.MX_GROUP  # values per E8M0 scale
 E2M1_MAX = 6.0
 FP8_MAX = 448.0  # OCP e4m3fn
 E8M0_NAN = 0xFF
-SCALE_RULES = ("quark", "ocp")
+SCALE_RULES = ("even", "floor")  # Quark scale_calculation_mode names
 MX_K_BLOCKS = (64, 128, 256)  # the scaled MFMA is 16x16x128: K tiles of 128+ feed it whole
 G_BLOCKS = (1, 2, 4, 8, 16, 32)  # scale groups per program of the quantizer
 
@@ -106,18 +107,18 @@ def e2m1_round_ref(q: torch.Tensor) -> torch.Tensor:
     return (mag | (sign << 3)).to(torch.uint8)
 
 
-def mx_scale_exp_ref(amax: torch.Tensor, rule: str = "quark") -> torch.Tensor:
+def mx_scale_exp_ref(amax: torch.Tensor, rule: str = "even") -> torch.Tensor:
     """Unbiased E8M0 exponent s (int32, in [-127, 127]) of groups with absmax `amax` (f32 >= 0)."""
     if rule not in SCALE_RULES:
         raise ValueError(f"scale rule must be one of {SCALE_RULES}, got {rule!r}")
     bits = amax.float().view(torch.int32)
-    if rule == "quark":
+    if rule == "even":
         bits = (bits + 0x200000) & 0x7F800000
     e = (bits >> 23) & 255
     return torch.where(e == 255, torch.full_like(e, 127), torch.clamp(e - 129, min=-127))
 
 
-def quant_mxfp4_ref(x: torch.Tensor, rule: str = "quark") -> tuple[torch.Tensor, torch.Tensor]:
+def quant_mxfp4_ref(x: torch.Tensor, rule: str = "even") -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic MXFP4 quantization per 32 along the last dim: (packed uint8 [..., K/2], scales
     uint8 [..., K/32]) (module docstring: scale rule, rounding, saturation)."""
     K = x.shape[-1]
@@ -166,7 +167,7 @@ def quant_mxfp4(x: kd.In["M", "K", kd.bf16], q: kd.Out["M", "KH", kd.u8], scale:
     """Dynamic MXFP4 per 32 (module docstring): E8M0 scale from the group's absmax, e2m1 codes
     rounded to nearest even with saturation, packed two per byte."""
     m, g = kd.grid(kd.each("M"), kd.tile("KG", "BLOCK_G", domain=G_BLOCKS, default=8))
-    rule = kd.tunable("SCALE_RULE", SCALE_RULES, "quark", "E8M0 rule: Quark's rounded absmax or the OCP floor",
+    rule = kd.tunable("SCALE_RULE", SCALE_RULES, "even", "E8M0 rule: Quark's even (rounded absmax) or the OCP floor",
                       search=False)
     j = kd.arange(GROUP // 2, label="j")
     col = g * GROUP + j * 2
@@ -174,7 +175,7 @@ def quant_mxfp4(x: kd.In["M", "K", kd.bf16], q: kd.Out["M", "KH", kd.u8], scale:
     hi = x.load(m, col + 1).to(kd.f32)
     amax = kd.maximum(kd.max(kd.abs(lo), axis=j), kd.max(kd.abs(hi), axis=j))
     bits = amax.bitcast(kd.i32)
-    if rule == "quark":
+    if rule == "even":
         bits = (bits + 0x200000) & 0x7F800000
     e = (bits >> 23) & 255
     s = kd.where(e == 255, 127, kd.maximum(e - 129, -127))
@@ -397,7 +398,7 @@ def _check_x(op: str, x: torch.Tensor) -> None:
 
 
 def quantize_mxfp4(x: torch.Tensor, backend: str = "triton", config: dict | None = None,
-                   rule: str = "quark") -> tuple[torch.Tensor, torch.Tensor]:
+                   rule: str = "even") -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 [M, K] -> (packed uint8 [M, K/2], E8M0 scales uint8 [M, K/32]), dynamic per 32."""
     _check_x("quantize_mxfp4", x)
     _check_backend(backend)
@@ -455,12 +456,15 @@ class MXFP4Weights:
     act: str = "mxfp4"
     a13_scale: torch.Tensor | None = None
     a2_scale: torch.Tensor | None = None
+    act_rule: str = "even"  # the E8M0 rule of the dynamic activation quantization (SCALE_RULES)
     fmt: str = field(default="mxfp4", init=False)
 
     def dims(self) -> tuple[int, int, int]:
         """(E, H, I) from the tensors, validating every shape and dtype."""
         if self.act not in ACTS:
             raise ValueError(f"MXFP4Weights: act must be one of {ACTS}, got {self.act!r}")
+        if self.act_rule not in SCALE_RULES:
+            raise ValueError(f"MXFP4Weights: act_rule must be one of {SCALE_RULES}, got {self.act_rule!r}")
         if self.w13.dim() != 3 or self.w2.dim() != 3:
             raise ValueError(f"MXFP4Weights: w13 and w2 must be 3-D, got {tuple(self.w13.shape)} and {tuple(self.w2.shape)}")
         E, N2, H2 = self.w13.shape
@@ -485,10 +489,11 @@ class MXFP4Weights:
         return dequant_mxfp4_ref(self.w13, self.s13) if which == "13" else dequant_mxfp4_ref(self.w2, self.s2)
 
 
-def _act_ref(h: torch.Tensor, act: str, scale: torch.Tensor | None) -> tuple[torch.Tensor, float | torch.Tensor]:
+def _act_ref(h: torch.Tensor, act: str, scale: torch.Tensor | None, rule: str = "even"
+             ) -> tuple[torch.Tensor, float | torch.Tensor]:
     """The activation values the dot sees (f32) and the factor applied after it."""
     if act == "mxfp4":
-        q, s = quant_mxfp4_ref(h)
+        q, s = quant_mxfp4_ref(h, rule)
         return dequant_mxfp4_ref(q, s), 1.0
     if act == "fp8":
         return quant_fp8_static_ref(h, scale).float(), scale.float().reshape(())
@@ -502,12 +507,12 @@ def experts_ref(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MXFP4W
     M = ids.shape[0]
     out = torch.zeros(M, H, dtype=torch.float64, device=x.device)
     w13, w2 = w.dequant("13"), w.dequant("2")
-    a, fa = _act_ref(x.to(torch.bfloat16), w.act, w.a13_scale)
+    a, fa = _act_ref(x.to(torch.bfloat16), w.act, w.a13_scale, w.act_rule)
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         gu = (a[tok].double() @ w13[e].double().t()).float()
         h = (torch.nn.functional.silu(gu[:, :I] * fa) * (gu[:, I:] * fa)).to(torch.bfloat16)
-        a2, f2 = _act_ref(h, w.act, w.a2_scale)
+        a2, f2 = _act_ref(h, w.act, w.a2_scale, w.act_rule)
         y = (a2.double() @ w2[e].double().t()).float() * f2
         out.index_add_(0, tok, (y * wts[tok, slot][:, None]).double())
     return out.float()
@@ -558,9 +563,9 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MXFP
     xb = x.to(torch.bfloat16).contiguous()
     one = torch.ones(1, dtype=torch.float32, device=x.device)
     if w.act == "mxfp4":
-        xq, xs = quantize_mxfp4(xb)
+        xq, xs = quantize_mxfp4(xb, rule=w.act_rule)
         k1(xq, xs, w.w13, w.s13, sorted_ids, bexp, inter, top_k, config=c1)
-        a2 = quantize_mxfp4(inter)
+        a2 = quantize_mxfp4(inter, rule=w.act_rule)
     elif w.act == "fp8":
         k1(_quant_fp8(xb, w.a13_scale, path), w.a13_scale, w.w13, w.s13, sorted_ids, bexp, inter, top_k, config=c1)
         a2 = (_quant_fp8(inter, w.a2_scale, path), w.a2_scale)

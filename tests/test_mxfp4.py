@@ -48,10 +48,10 @@ def test_e2m1_rounding_ties_to_even_and_saturates(v, code):
     assert X.e2m1_round_ref(torch.tensor([v])).item() == code
 
 
-def test_scale_rules_quark_rounds_the_absmax_up_ocp_floors():
+def test_scale_rules_even_rounds_the_absmax_up_floor_does_not():
     amax = torch.tensor([0.0, 1.0, 1.5, 1.75, 7.0, 6.0, float("inf"), 2.0 ** -130])
-    assert X.mx_scale_exp_ref(amax, "ocp").tolist() == [-127, -2, -2, -2, 0, 0, 127, -127]
-    assert X.mx_scale_exp_ref(amax, "quark").tolist() == [-127, -2, -2, -1, 1, 0, 127, -127]
+    assert X.mx_scale_exp_ref(amax, "floor").tolist() == [-127, -2, -2, -2, 0, 0, 127, -127]
+    assert X.mx_scale_exp_ref(amax, "even").tolist() == [-127, -2, -2, -1, 1, 0, 127, -127]
 
 
 def test_quant_ref_error_bound():
