@@ -240,3 +240,17 @@ def test_aot_gfx942_upcasts_to_bf16_mfma():
     assert r.ok and r.spills == 0
     assert any("bf16" in i for i in r.matrix_instructions) and not any("scale" in i for i in r.matrix_instructions)
     assert X.mx_path(kd.get_target("gfx942")) == "upcast" and X.mx_path(kd.get_target("gfx950")) == "native"
+
+
+def test_aot_sm90_compiles_the_upcast():
+    r = aot.report(X.moe_stage1_mxfp4, "sm90")
+    assert r.ok and r.spills == 0 and r.matrix_instructions
+
+
+@pytest.mark.parametrize("argv,msg", [(["--tp", "3"], "--tp 3"), (["--arch", "sm90"], "--arch"), (["--m", "0"], "--m")])
+def test_bench_cli_bad_flags_one_line_exit_2(argv, msg, capsys):
+    from bench.mxfp4 import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and "\n" not in err
