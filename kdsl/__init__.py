@@ -17,6 +17,8 @@ from .lang import (  # noqa: F401
     full, full_range, grid, load, log, log2, max, maximum, min, minimum, require, rsqrt, sigmoid, silu, sin,
     span, sqrt, static, store, sum, tile, tiles, tunable, where, zeros,
 )
+from .types import fp4_e2m1, e8m0, MX_GROUP  # noqa: F401  (OCP MX)
+from .lang import dot_scaled, mx_decode, mx_groups  # noqa: F401  (OCP MX)
 from .errors import KdslError, ConfigError, LaunchError, TraceError, CompileError  # noqa: F401
 from .kernel import Kernel, Specialization, kernel, REGISTRY  # noqa: F401
 from .record import LaunchRecord, recording  # noqa: F401

@@ -389,6 +389,83 @@ class Emitter:
         self.indent -= 1
         self.last_loc = None
 
+    # -- OCP microscaling ----------------------------------------------------------------------
+    def op_load_fp4(self, n: Node) -> None:
+        """Bytes of a packed fp4 tile: byte offsets start/2 + arange(size/2) along the packed dim."""
+        h, ivals, masks, extra = n.args
+        r = n.results[0]
+        kax = ivals[-1].axes[0]
+        size, start = ivals[-1].range_info.size, ivals[-1].range_info.start
+        bax = Axis(f"{kax.label}_bytes", size // T.FP4_PER_BYTE)
+        baxes = r.axes[:-1] + (bax,)
+        kb = self.fresh("kb")
+        st = self.ref(start)
+        base = "" if st == "0" else f"{self._paren(st)} // 2 + "
+        self.w(f"{kb} = {base}tl.arange(0, {size // 2})")
+        kb_al = kb + "[" + ", ".join("None" for _ in baxes[:-1]) + (", :]" if len(baxes) > 1 else ":]")
+        offs = self.offsets(h, ivals, baxes, last_override=kb_al)
+        keep = frozenset(m for m in masks if kax not in m.axes)
+        parts = [self.aligned(m, baxes) for m in sorted(keep, key=lambda m: m.name)]
+        if extra is not None:
+            parts.append(self.aligned(extra, baxes))
+        kval = self.c.dims[h.spec.dims[-1]]
+        parts.append(f"{kb_al} < {self._paren(self.ref(kval))} // 2")
+        wmask = " & ".join(f"({p})" for p in parts)
+        self.w(f"{r.name} = tl.load({h.name}_ptr + {self._paren(offs)}, mask={wmask}, other=0)  # fp4 e2m1 x2")
+
+    def _e8m0_f32(self, s: str) -> str:
+        """E8M0 bytes -> f32 2^(e-127) by bits: 0 -> 2^-127 (a subnormal), 0xFF -> NaN."""
+        u = self.fresh("su")
+        self.w(f"{u} = {s}.to(tl.uint32)")
+        self.w(f"{u} = tl.where({u} == 0, 0x00400000, tl.where({u} == 255, 0x7FC00000, {u} << 23)).to(tl.uint32)")
+        return f"{u}.to(tl.float32, bitcast=True)"
+
+    def _fp4_f32(self, packed: str, rows: int, k: int, scale: str | None, groups: int) -> str:
+        """Packed e2m1 bytes [rows, k/2] -> f32 [rows, k], exact, element 2i from the low nibble;
+        times the per-32 E8M0 scale [rows, groups] when given."""
+        lo, hi, c, bits, out = (self.fresh(x) for x in ("lo", "hi", "c", "fb", "dq"))
+        self.w(f"{lo} = ({packed} & 15).to(tl.uint32)")
+        self.w(f"{hi} = (({packed} >> 4) & 15).to(tl.uint32)")
+        self.w(f"{c} = tl.reshape(tl.join({lo}, {hi}), ({rows}, {k}))")
+        # |code| = e:m (2+1 bits): e == 0 -> m * 0.5; else (1 + m/2) * 2^(e-1); bit 3 is the sign
+        self.w(f"{bits} = tl.where((({c} >> 1) & 3) == 0, ({c} & 1) * 0x3F000000, "
+               f"(((({c} >> 1) & 3) + 126) << 23) | (({c} & 1) << 22)).to(tl.uint32)")
+        self.w(f"{bits} = {bits} | (({c} & 8) << 28)")
+        self.w(f"{out} = {bits}.to(tl.float32, bitcast=True)")
+        if scale is not None:
+            sf = self._e8m0_f32(scale)
+            self.w(f"{out} = {out} * tl.reshape(tl.broadcast_to(({sf})[:, :, None], ({rows}, {groups}, {k // groups})), "
+                   f"({rows}, {k}))")
+        return out
+
+    def op_mx_decode(self, n: Node) -> None:
+        v, s = n.args
+        r = n.results[0]
+        rows, k = v.axes
+        g = n.attrs["g"]
+        sc = self.aligned(s, (rows, g)) if s is not None else None
+        out = self._fp4_f32(self.ref(v), rows.size, k.size, sc, g.size if g is not None else 1)
+        self.w(f"{r.name} = {out}")
+
+    def op_dot_scaled(self, n: Node) -> None:
+        a, sa, b, sb, acc = n.args
+        r = n.results[0]
+        i, k, j, ga, gb = (n.attrs[x] for x in ("i", "k", "j", "ga", "gb"))
+        fa = n.attrs["fa"]
+        A = self.aligned(a, (i, k))
+        SB = self.aligned(sb, (j, gb))
+        ACC = self.aligned(acc, (i, j)) if acc is not None else None
+        if getattr(self.target, "backend", None) == "interpret" and fa == "bf16":
+            # the interpreter's dot_scaled rounds bf16 operands through fp16: decode and use an f32 dot
+            bd = self._fp4_f32(self.aligned(b, (j, k)), j.size, k.size, SB, gb.size)
+            acc_s = f", acc={ACC}" if ACC is not None else ", out_dtype=tl.float32"
+            self.w(f"{r.name} = tl.dot({self._paren(A)}.to(tl.float32), tl.trans({bd}){acc_s}, input_precision=\"ieee\")")
+            return
+        B = self.aligned(b, (k, j))  # packed along K: [K/2, N] (rhs_k_pack)
+        SA = self.aligned(sa, (i, ga)) if sa is not None else "None"
+        acc_s = f", acc={ACC}" if ACC is not None else ""
+        self.w(f"{r.name} = tl.dot_scaled({A}, {SA}, \"{fa}\", {B}, {SB}, \"e2m1\"{acc_s}, out_dtype=tl.float32)")
+
 
 def emit_module(c: TraceContext, target: Any, fn_name: str, header: list[str]) -> str:
     em = Emitter(c, target, fn_name)

@@ -250,6 +250,8 @@ class Kernel:
                     extra = f" (the native fp8 of {target.name})"
                 elif isinstance(op.dtype, T.Int4):
                     extra = " (packed int4: 8 values per int32 word)"
+                elif T.is_fp4(op.dtype):
+                    extra = " (packed fp4 e2m1: 2 values per byte)"
                 raise LaunchError(self.name, pname, f"dtype must be {want.torch}{extra}, got {t.dtype}")
             if t.dim() != len(op.dims):
                 raise LaunchError(self.name, pname, f"must have {len(op.dims)} dims {list(op.dims)}, got shape {tuple(t.shape)}")
@@ -262,12 +264,16 @@ class Kernel:
                 how = f"{pname}.shape[{i}]"
                 if isinstance(op.dtype, T.Int4) and i == len(op.dims) - 1:
                     n, how = n * 8, f"{pname}.shape[{i}]*8 (int4 words)"
+                elif T.is_fp4(op.dtype) and i == len(op.dims) - 1:
+                    n, how = n * T.FP4_PER_BYTE, f"{pname}.shape[{i}]*2 (packed fp4 bytes)"
                 if d in dims and dims[d] != n:
                     raise LaunchError(self.name, pname, f"shape mismatch on dim {d}: {how} = {n} but {src[d]} = {dims[d]}")
                 dims.setdefault(d, n)
                 src.setdefault(d, how)
             if t.numel() and t.stride(-1) != 1 and isinstance(op.dtype, T.Int4):
                 raise LaunchError(self.name, pname, "packed int4 words must be contiguous along the last dim")
+            if t.numel() and t.stride(-1) != 1 and T.is_fp4(op.dtype):
+                raise LaunchError(self.name, pname, "packed fp4 bytes must be contiguous along the last dim")
         for d in sig.dim_params:
             v = bound[d]
             if isinstance(v, bool) or not isinstance(v, int):

@@ -48,6 +48,8 @@ def _rank(d: T.DType) -> int:
 
 def promote(a: T.DType, b: T.DType) -> T.DType:
     """Triton's promotion for two tensors (the rules we rely on, stated once)."""
+    if T.is_fp4(a) or T.is_fp4(b):
+        raise ctx().error(f"arithmetic on packed fp4 ({a!r}, {b!r}) is not allowed: use kd.dot_scaled or kd.mx_decode")
     if a == b:
         return a
     if a.is_fp8 or b.is_fp8:
@@ -160,6 +162,8 @@ def cast(x: Value, dtype: T.ElemType, rounding: str | None = None) -> Value:
     if rounding == "rtz" and dtype is not T.bf16:
         raise ctx().error("round-toward-zero is supported for bf16 results only")
     x = as_value(x)
+    if T.is_fp4(x.dtype) or T.is_fp4(dtype):
+        raise ctx().error("packed fp4 tiles cannot be cast: use kd.mx_decode (to f32) or kd.dot_scaled")
     if x.dtype is dtype and rounding is None:
         return x
     out = Value(dtype, x.axes, x.masks, hint="t")
@@ -313,6 +317,125 @@ def dot(a: Value, b: Value, acc: Value | None = None) -> Value:
     masks = frozenset(m for m in (a.masks | b.masks) if k not in m.axes)
     out = Value(out_dt, (i, j), masks, hint="acc")
     c.add("dot", [a, b, acc], {"i": i, "k": k, "j": j, "dtype": out_dt}, [out])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# OCP microscaling (MX): packed fp4 loads, scale groups, scaled dot, decode
+
+MX_A_FORMATS = {"fp4e2m1": "e2m1", "fp8e4m3fn": "e4m3", "fp8e5m2": "e5m2", "bf16": "bf16"}
+
+
+def _load_fp4(h, idx: Sequence[Any], mask: Value | None) -> Value:
+    """Load a packed fp4 tile: the logical tile along the last (packed) dim must be contiguous and
+    even; the result keeps the logical axes (its Triton value holds bytes, two values each)."""
+    c = ctx()
+    ivals = _index_values(h, idx)
+    vals = [v for v in ivals if isinstance(v, Value)]
+    last = ivals[-1]
+    if not isinstance(last, Value) or last.range_info is None or len(last.axes) != 1:
+        raise c.error(f"{h.name} is packed fp4: index its last dim with a contiguous tile", h.name)
+    if last.range_info.size % T.FP4_PER_BYTE:
+        raise c.error(f"{h.name} is packed fp4 (2 per byte): the tile along {h.spec.dims[-1]} must be even, "
+                      f"got {last.range_info.size}", h.name)
+    if mask is not None and last.axes[0] in mask.axes:
+        raise c.error(f"{h.name}: an extra mask over the packed axis is not supported", h.name)
+    axes = union_axes(*vals, *([mask] if mask is not None else []))
+    if axes[-1] is not last.axes[0]:
+        axes = tuple(a for a in axes if a is not last.axes[0]) + (last.axes[0],)
+    out = Value(T.fp4_e2m1, axes, union_masks(*vals), hint=h.name)
+    c.add("load_fp4", [h, ivals, union_masks(*vals), mask], {}, [out])
+    return out
+
+
+def mx_groups(k: Value, limit: Value | int | None = None, group: int = T.MX_GROUP) -> Value:
+    """The scale-group tile of a contiguous K tile: `k.start // group + arange(k.size // group)`,
+    masked by `< limit` (the scale operand's group dim). Index E8M0 scales with it."""
+    c = ctx()
+    if k.range_info is None or len(k.axes) != 1:
+        raise c.error("mx_groups takes a contiguous 1-D tile (a fold's K tile)")
+    size = k.range_info.size
+    if size % group:
+        raise c.error(f"mx_groups: the K tile ({size}) must be a multiple of the group size {group}")
+    start = k.range_info.start
+    g0 = start // group if isinstance(start, int) else binary("//", start, group)
+    return span(g0, size // group, limit, f"{k.axes[0].label}_g")
+
+
+def _mx_scale_axes(s: Value, rows: Axis, k: Axis, what: str) -> Axis:
+    c = ctx()
+    if s.dtype not in (T.e8m0, T.u8):
+        raise c.error(f"dot_scaled: {what} must be E8M0 bytes (kd.e8m0 or u8), got {s.dtype!r}")
+    if len(s.axes) != 2 or rows not in s.axes:
+        raise c.error(f"dot_scaled: {what} must be a 2-D tile over ({rows}, groups), got {s!r}")
+    g = next(ax for ax in s.axes if ax is not rows)
+    if g.size * T.MX_GROUP != k.size:
+        raise c.error(f"dot_scaled: {what} has {g.size} groups for a K tile of {k.size} "
+                      f"(one E8M0 scale per {T.MX_GROUP} values): index it with kd.mx_groups(k)")
+    return g
+
+
+def dot_scaled(a: Value, a_scale: Value | None, b: Value, b_scale: Value, acc: Value | None = None) -> Value:
+    """Microscaled matrix product contracting the one axis `a` and `b` share, f32 result:
+    sum_k (a[i,k] * 2^(sa[i,k//32]-127)) * (b[j,k] * 2^(sb[j,k//32]-127)).
+
+    `b` is packed fp4 (kd.fp4_e2m1) with E8M0 scales per 32 along K; `a` is fp4 (scales required),
+    OCP fp8 e4m3/e5m2 (scales optional: None = a per-tensor scale applied by the caller) or bf16
+    (no scales). Lowers to `tl.dot_scaled`: gfx950 runs e2m1/e4m3 operands on the scaled MFMA
+    (`v_mfma_scale_f32_*_f8f6f4`); other targets upcast (Triton's emulation). On the interpreter,
+    bf16 x e2m1 decodes `b` to f32 and runs an f32 dot (its own dot_scaled rounds bf16 through fp16).
+    All tile dims must be >= 16 and the K tile a multiple of 32."""
+    c = ctx()
+    if len(a.axes) != 2 or len(b.axes) != 2:
+        raise c.error(f"dot_scaled needs two 2-D tiles, got {a!r} and {b!r}")
+    common = [ax for ax in a.axes if ax in b.axes]
+    if len(common) != 1:
+        raise c.error(f"dot_scaled operands must share exactly one axis to contract, got {a!r} and {b!r}")
+    k = common[0]
+    i = next(ax for ax in a.axes if ax is not k)
+    j = next(ax for ax in b.axes if ax is not k)
+    if not T.is_fp4(b.dtype):
+        raise c.error(f"dot_scaled: b must be packed fp4 (kd.fp4_e2m1), got {b.dtype!r}")
+    fa = MX_A_FORMATS.get(a.dtype.name)
+    if fa is None:
+        raise c.error(f"dot_scaled: a must be fp4_e2m1, fp8e4m3fn, fp8e5m2 or bf16, got {a.dtype!r}")
+    for v, nm in ((a, "a"), (b, "b")):
+        if T.is_fp4(v.dtype) and v.axes[-1] is not k:
+            raise c.error(f"dot_scaled: {nm} is packed along its last axis, which must be the contracted one")
+    if k.size % T.MX_GROUP or i.size < 16 or j.size < 16:
+        raise c.error(f"dot_scaled: tiles must be >= 16 in M and N and K a multiple of {T.MX_GROUP}, "
+                      f"got {i.size}x{j.size}x{k.size}")
+    gb = _mx_scale_axes(b_scale, j, k, "b_scale")
+    ga = None
+    if fa == "e2m1" and a_scale is None:
+        raise c.error("dot_scaled: an fp4 a needs its E8M0 scales")
+    if fa == "bf16" and a_scale is not None:
+        raise c.error("dot_scaled: a bf16 a takes no scales (pass None)")
+    if a_scale is not None:
+        ga = _mx_scale_axes(a_scale, i, k, "a_scale")
+    if acc is not None and (set(acc.axes) != {i, j} or acc.dtype is not T.f32):
+        raise c.error(f"dot_scaled accumulator must be f32 over ({i}, {j}), got {acc!r}")
+    drop = {k, gb} | ({ga} if ga is not None else set())
+    allm = a.masks | b.masks | b_scale.masks | (a_scale.masks if a_scale is not None else frozenset())
+    masks = frozenset(m for m in allm if not (set(m.axes) & drop))
+    out = Value(T.f32, (i, j), masks, hint="acc")
+    c.add("dot_scaled", [a, a_scale, b, b_scale, acc],
+          {"i": i, "k": k, "j": j, "ga": ga, "gb": gb, "fa": fa, "fb": "e2m1", "dtype": T.f32}, [out])
+    return out
+
+
+def mx_decode(v: Value, scale: Value | None = None) -> Value:
+    """Decode a packed fp4 tile to f32 (exact), times its E8M0 group scales when given
+    (2^(e-127); byte 0xFF gives NaN). The dequantizing path for targets without MX matrix cores."""
+    c = ctx()
+    if not T.is_fp4(v.dtype) or len(v.axes) != 2:
+        raise c.error(f"mx_decode takes a 2-D packed fp4 tile, got {v!r}")
+    rows, k = v.axes
+    g = _mx_scale_axes(scale, rows, k, "scale") if scale is not None else None
+    masks = v.masks | (scale.masks if scale is not None else frozenset())
+    masks = frozenset(m for m in masks if g is None or g not in m.axes)
+    out = Value(T.f32, v.axes, masks, hint="dq")
+    c.add("mx_decode", [v, scale], {"g": g}, [out])
     return out
 
 
@@ -582,6 +705,8 @@ def load(h, *idx: Any, mask: Value | None = None, other: int | float = 0, unpack
     For packed int4 operands `unpack` picks the lowering: "shift" extracts the eight nibbles with one
     vector of shift amounts (2 shifts per element); "bfe" extracts each nibble with constant shifts
     (one sign-extending bit-field extract per element on AMD) and interleaves them with tl.join."""
+    if T.is_fp4(h.dtype):
+        return _load_fp4(h, idx, mask)
     c = ctx()
     ivals = _index_values(h, idx)
     vals = [v for v in ivals if isinstance(v, Value)]
@@ -611,8 +736,8 @@ def store(h, idx: Sequence[Any], value: Any, mask: Value | None = None) -> None:
     c = ctx()
     if h.spec.kind == "in":
         raise c.error(f"{h.name} is declared In[...]: declare it Out or InOut to store", h.name)
-    if h.is_int4:
-        raise c.error(f"{h.name}: storing packed int4 is not supported", h.name)
+    if h.is_int4 or T.is_fp4(h.dtype):
+        raise c.error(f"{h.name}: storing packed int4/fp4 is not supported (store the bytes to a u8 operand)", h.name)
     ivals = _index_values(h, idx)
     vals = [v for v in ivals if isinstance(v, Value)]
     axes = union_axes(*vals)

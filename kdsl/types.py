@@ -209,3 +209,23 @@ class Signature:
             if d not in seen:
                 seen.append(d)
         return seen
+
+
+# ----------------------------------------------------------------------------------------------
+# OCP microscaling (MX) types: FP4 E2M1 values packed two per byte, E8M0 scales per 32 values
+
+# FP4 E2M1 (sign, 2 exponent bits, 1 mantissa bit; codes 0..15 = +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}),
+# stored two per uint8 along the operand's LAST dim, element 2i in the low nibble (OCP MX v1.0 and
+# Triton's dot_scaled agree on this order). An operand declared `In["N", "K", kd.fp4_e2m1]` names
+# the logical K; its tensor is uint8 [N, K/2]. Tiles of it feed `kd.dot_scaled` only (no arithmetic).
+fp4_e2m1 = DType("fp4e2m1", "uint8", "u8", "uint8", 4, True)
+# E8M0 scale: one byte, value 2^(e-127); 0xFF is NaN (no sign, no mantissa, no zero).
+e8m0 = DType("e8m0", "uint8", "u8", "uint8", 8, False, False)
+
+MX_GROUP = 32  # values per E8M0 scale (OCP MX block size)
+FP4_PER_BYTE = 2
+
+
+def is_fp4(dt: Any) -> bool:
+    """True for the packed FP4 element type (a tile of it is bytes holding two values each)."""
+    return dt is fp4_e2m1

@@ -14,6 +14,9 @@ Kinds:
   kimi-k25-w4a8   AMD Quark W4A8 experts: `weight` int32 (reorder), `weight_scale` F32 [] (a power of
                   two, so the folded scale is exact), `weight_scale_2` F32 [out]; quantization_config
                   at top level.
+  kimi-k25-mxfp4  AMD Quark MXFP4 (OCP MX, as amd/Kimi-K2.5-MXFP4): routed experts and routers `weight`
+                  uint8 [out, in/2] (two E2M1 codes per byte) + `weight_scale` uint8 E8M0 [out, in/32];
+                  activations dynamic MXFP4 per 32 (`input_tensors`); quantization_config at top level.
   eagle3          LlamaForCausalLMEagle3, BF16, pruned draft vocab with `d2t`/`t2d`, head_dim from
                   config (!= hidden/heads), GQA.
   eagle3-fp8      Quark ptpc FP8 on the seven midlayer projections; fc/lm_head/embed/norms F16; full
@@ -41,6 +44,7 @@ import argparse
 import base64
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -64,7 +68,7 @@ class FixtureError(ValueError):
 
 MARKER = ".kdsl-fixture"
 
-KINDS = ("kimi-k25", "kimi-k25-bf16", "kimi-k25-w4a8", "eagle3", "eagle3-fp8", "eagle3-int4", "eagle3-mla")
+KINDS = ("kimi-k25", "kimi-k25-bf16", "kimi-k25-w4a8", "kimi-k25-mxfp4", "eagle3", "eagle3-fp8", "eagle3-int4", "eagle3-mla")
 
 DEFAULT_SIZES: dict[str, Any] = dict(
     hidden=64, layers=8, experts=16, topk=4, n_group=1, topk_group=1, moe_intermediate=32,
@@ -153,6 +157,19 @@ class _Gen:
         self._put("", sb + ".weight_scale", scale)
         self.fx.reference[base + ".weight"] = w.float() * scale[:, None]
 
+    def quark_mxfp4(self, base: str, n: int, k: int) -> None:
+        """Quark MXFP4: uint8 [n, k/2] (two E2M1 codes per byte, low nibble first) + uint8 E8M0 [n, k/32].
+        Every code occurs; scales 2^(e-127) around k^-0.5 / 4 so values have the dense weights' size."""
+        from ops.mxfp4 import dequant_mxfp4_ref, pack_fp4
+
+        codes = torch.randint(0, 16, (n, k), generator=self.g, dtype=torch.uint8)
+        e0 = 127 + round(math.log2(k ** -0.5 / 4.0))
+        scale = (e0 + torch.randint(-1, 2, (n, k // 32), generator=self.g)).to(torch.uint8)
+        packed = pack_fp4(codes)
+        self._put("", base + ".weight", packed)
+        self._put("", base + ".weight_scale", scale)
+        self.fx.reference[base + ".weight"] = dequant_mxfp4_ref(packed, scale)
+
 
 # ----------------------------------------------------------------------------------------------
 # configs
@@ -204,6 +221,9 @@ _INT4_PC = {"dtype": "int4", "qscheme": "per_channel", "ch_axis": 0, "is_dynamic
             "group_size": None, "round_method": "half_even", "scale_type": "float"}
 _FP8_PT = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False, "symmetric": True}
 _FP8_PC = {"dtype": "fp8_e4m3", "qscheme": "per_channel", "ch_axis": 0, "is_dynamic": False, "symmetric": True}
+_MXFP4_SPEC = {"dtype": "fp4", "qscheme": "per_group", "ch_axis": -1, "group_size": 32, "is_dynamic": False,
+               "symmetric": None, "round_method": "half_even", "scale_type": "float", "scale_format": "e8m0",
+               "scale_calculation_mode": "even", "mx_element_dtype": None, "observer_cls": "PerBlockMXObserver"}
 _FP8_PTOK = {"dtype": "fp8_e4m3", "qscheme": "per_channel", "ch_axis": 1, "is_dynamic": True, "symmetric": True}
 
 
@@ -226,6 +246,12 @@ def _build_target(kind: str, s: dict[str, Any], seed: int) -> Fixture:
         top["quantization_config"] = _quark_quant(
             [_FP8_PT, _INT4_PC], None,
             ["lm_head", "*self_attn*", "*shared_experts*", "*mlp.gate", "model.layers.0.mlp.*"], "reorder")
+    elif kind == "kimi-k25-mxfp4":
+        # AMD's MXFP4 recipe: routed experts and routers MXFP4, activations MXFP4 per 32 (dynamic)
+        top["quantization_config"] = _quark_quant(
+            _MXFP4_SPEC, {**_MXFP4_SPEC, "is_dynamic": True},
+            ["lm_head", "*self_attn*", "*shared_experts*", "model.layers.0.mlp.*", "vision_tower*",
+             "mm_projector*"], "reorder")
     fx = Fixture(kind, top, {})
     g = _Gen(seed, "language_model.", fx)
     H, V, heads = s["hidden"], s["vocab"], s["heads"]
@@ -249,7 +275,10 @@ def _build_target(kind: str, s: dict[str, Any], seed: int) -> Fixture:
                 g.dense(f"{p}mlp.{nm}.weight", shp)
             continue
         E, M = s["experts"], s["moe_intermediate"]
-        g.dense(p + "mlp.gate.weight", (E, H))
+        if kind == "kimi-k25-mxfp4":
+            g.quark_mxfp4(p + "mlp.gate", E, H)
+        else:
+            g.dense(p + "mlp.gate.weight", (E, H))
         g.dense(p + "mlp.gate.e_score_correction_bias", (E,), dtype=torch.float32, std=0.01)
         for nm, shp in (("gate_proj", (M, H)), ("up_proj", (M, H)), ("down_proj", (H, M))):
             g.dense(f"{p}mlp.shared_experts.{nm}.weight", shp)
@@ -260,6 +289,8 @@ def _build_target(kind: str, s: dict[str, Any], seed: int) -> Fixture:
                     g.ct_int4(base, n, k, s["group"])
                 elif kind == "kimi-k25-w4a8":
                     g.quark_w4a8(base, n, k)
+                elif kind == "kimi-k25-mxfp4":
+                    g.quark_mxfp4(base, n, k)
                 else:
                     g.dense(base + ".weight", (n, k))
     g.norm("model.norm.weight", H)

@@ -19,6 +19,7 @@ Format detection, per linear `base` (e.g. `model.layers.3.mlp.experts.5.up_proj`
   base.weight int32 + weight_scale [out]                              -> Quark INT4 per-channel
   base.weight int32 [in, out/8] + weight_scale [in/g, out]            -> Quark INT4 per-group (transposed)
   base.weight float8_e4m3fn + weight_scale [out]                      -> Quark ptpc FP8
+  base.weight uint8 [out, in/2] + weight_scale uint8 [out, in/32]      -> Quark MXFP4 (OCP MX, E8M0 scales)
   base.weight bf16/f16/f32                                            -> dense
 The quantization config only supplies the Quark packing (export.pack_method); an int4/fp8 tensor in a
 checkpoint whose config names no (or another) quant method is an error naming the tensor.
@@ -43,7 +44,7 @@ class FormatError(ValueError):
 @dataclass
 class QuantLinear:
     """A quantized linear weight in the layout the GEMM kernels read (module docstring)."""
-    kind: str                       # "int4" | "fp8"
+    kind: str                       # "int4" | "fp8" | "mxfp4"
     packed: torch.Tensor            # int4: int32 [N, K/8]; fp8: float8 [N, K]
     scale: torch.Tensor             # f32 [N] (group == 0); [N, K/group] in the stored float dtype
     group: int                      # 0 = per output channel; else group size along K
@@ -100,6 +101,8 @@ def detect_format(base: str, present: Callable[[str], bool], dtype_of: Callable[
         return "quark-w4a8" if present(base + ".weight_scale_2") else "quark-int4"
     if dt == torch.float8_e4m3fn:
         return "quark-fp8"
+    if dt == torch.uint8:
+        return "quark-mxfp4"
     raise FormatError(f"tensor {w!r}: unsupported weight dtype {dt} (no known format stores it)")
 
 
@@ -186,6 +189,9 @@ def build_linear(base: str, get: Callable[[str], torch.Tensor], present: Callabl
             pack = "e4m3fnuz"
         return QuantLinear("fp8", wt, scale, 0, pack, (int(n), int(k)), "quark-fp8", ins), used
 
+    if fmt == "quark-mxfp4":
+        return _mxfp4_linear(base, take, present), used
+
     if quark_pack is None:
         raise FormatError(f"tensor {w!r}: Quark int4 weight but no pack method known "
                           "(quantization_config.export.pack_method)")
@@ -257,6 +263,36 @@ def dequantize(w: Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             out = qv * w.scale.float()[:, None]
     elif w.kind == "fp8":
         out = w.packed.float() * w.scale.float()[:, None]
+    elif w.kind == "mxfp4":
+        from ops.mxfp4 import dequant_mxfp4_ref
+
+        out = dequant_mxfp4_ref(w.packed, w.scale)
     else:
         raise ValueError(f"dequantize: unknown QuantLinear kind {w.kind!r}")
     return out.to(dtype)
+
+
+def _mxfp4_linear(base: str, take: Callable[[str], torch.Tensor], present: Callable[[str], bool]) -> QuantLinear:
+    """Quark MXFP4 (OCP MX): `weight` uint8 [N, K/2] (two E2M1 codes per byte along K, element 2i in
+    the low nibble), `weight_scale` uint8 [N, K/32] (E8M0), optional static `input_scale` (the
+    W4A8-FP8 scheme). Kept as stored: QuantLinear(kind="mxfp4", packed, scale=E8M0 bytes, group 32,
+    pack "e2m1"); `dequantize` gives the exact values."""
+    w = base + ".weight"
+    wt = take(w)
+    if wt.dim() != 2:
+        raise _shape_err(w, wt.shape, "[out, in/2] (two fp4 per byte)")
+    n, k = int(wt.shape[0]), int(wt.shape[1]) * 2
+    if k % 32:
+        raise _shape_err(w, wt.shape, "[out, in/2] with in a multiple of 32 (one E8M0 scale per 32)")
+    sn = base + ".weight_scale"
+    scale = take(sn)
+    if scale.dtype != torch.uint8:
+        raise FormatError(f"tensor {sn!r} must be uint8 E8M0 scales for an MXFP4 weight, got {scale.dtype}")
+    if tuple(scale.shape) != (n, k // 32):
+        raise _shape_err(sn, scale.shape, f"[{n}, {k // 32}] (one E8M0 per 32 inputs)")
+    ins = None
+    if present(base + ".input_scale"):
+        ins = take(base + ".input_scale").float().reshape(-1)
+        if ins.numel() != 1:
+            raise _shape_err(base + ".input_scale", ins.shape, "[] or [1] (static per-tensor fp8 activation scale)")
+    return QuantLinear("mxfp4", wt.contiguous(), scale.contiguous(), 32, "e2m1", (n, k), "quark-mxfp4", ins)

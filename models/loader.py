@@ -39,6 +39,7 @@ from safetensors import SafetensorError, safe_open
 from models.config import (ConfigError, DeepseekV3Config, Eagle3Config, ModelConfig,
                            check_draft_matches_target, load_config)
 from models.formats import AUX_SUFFIXES, FormatError, QuantLinear, Weight, build_linear, to_pack
+from models.formats import dequantize  # MXFP4 routers
 
 __all__ = ["Checkpoint", "LoadError", "load_checkpoint", "load_target", "load_draft",
            "expected_shapes", "list_tensors", "stack_experts", "iter_linears", "NonFiniteWeightWarning"]
@@ -488,6 +489,7 @@ def load_checkpoint(path: Union[str, Path], *, arch: Optional[str] = None, dtype
         if b + ".weight" in weights:
             continue
         w, used = build_linear(b, sh.get, sh.present, sh.dtype_of, qm, qpack, arch=arch, int4_pack=int4_pack)
+        w = _router_dense(b, w)
         conv = isinstance(w, torch.Tensor) and dtype is not None and w.dtype in (torch.bfloat16, torch.float16)
         if conv:
             w = w.to(dtype)
@@ -570,6 +572,8 @@ def stack_experts(ck: Checkpoint, layer: int, pop: bool = True) -> dict[str, obj
     p = f"model.layers.{layer}.mlp.experts."
     E = cfg.n_routed_experts
     first = ck[f"{p}0.gate_proj.weight"]
+    if isinstance(first, QuantLinear) and first.kind == "mxfp4":
+        return _stack_experts_mxfp4(ck, layer, pop)
     if isinstance(first, QuantLinear):
         if first.kind != "int4" or first.source not in _MOE_FMT:
             raise LoadError(f"tensor '{p}0.gate_proj.weight': {first.source} experts have no fused-MoE format")
@@ -612,4 +616,90 @@ def stack_experts(ck: Checkpoint, layer: int, pop: bool = True) -> dict[str, obj
             del rows
         out["w" + key] = ws
         out["s" + key] = ss
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# MXFP4 (Quark OCP MX, as in amd/Kimi-K2.5-MXFP4)
+
+def _router_dense(base: str, w: Weight) -> Weight:
+    """An MXFP4 router (`mlp.gate`, quantized in AMD's MXFP4 recipe per its model cards; UNCONFIRMED)
+    becomes its exact values in bf16: e2m1 x 2^k has at most two significant bits and f32's exponent
+    range, which bf16 shares, so routing sees the checkpoint's weights unchanged."""
+    if isinstance(w, QuantLinear) and w.kind == "mxfp4" and base.endswith(".mlp.gate"):
+        return dequantize(w, torch.bfloat16)
+    return w
+
+
+def mxfp4_activation(cfg: DeepseekV3Config) -> tuple[str, str]:
+    """(act, rule) of a Quark MXFP4 checkpoint from `global_quant_config.input_tensors`:
+    fp4 per_group dynamic -> ("mxfp4", its scale_calculation_mode, default "even") (W4A4);
+    fp8_e4m3 per_tensor static -> ("fp8", "even") (W4A8, `input_scale` tensors); none -> ("bf16", "even")."""
+    raw = dict(cfg.quantization.raw) if cfg.quantization is not None else {}
+    g = raw.get("global_quant_config") or {}
+    where = "quantization_config.global_quant_config.input_tensors"
+    inp = g.get("input_tensors")
+    if isinstance(inp, list):
+        if len(inp) != 1:
+            raise LoadError(f"config field {where!r}: MXFP4 experts take one activation spec, got {len(inp)}")
+        inp = inp[0]
+    if inp is None:
+        return "bf16", "even"
+    if not isinstance(inp, dict):
+        raise LoadError(f"config field {where!r} must be an object or null")
+    dt = inp.get("dtype")
+    if dt == "fp4":
+        rule = inp.get("scale_calculation_mode") or "even"
+        if rule not in ("even", "floor") or not inp.get("is_dynamic", True) or inp.get("group_size", 32) != 32:
+            raise LoadError(f"config field {where!r}: MXFP4 activations must be dynamic per 32 with "
+                            f"scale_calculation_mode even|floor, got {inp}")
+        return "mxfp4", rule
+    if dt == "fp8_e4m3":
+        if inp.get("is_dynamic") or inp.get("qscheme") != "per_tensor":
+            raise LoadError(f"config field {where!r}: fp8 activations of MXFP4 experts must be static per_tensor")
+        return "fp8", "even"
+    raise LoadError(f"config field {where + '.dtype'!r}: unsupported activation dtype {dt!r} for MXFP4 experts "
+                    "(fp4, fp8_e4m3 or null)")
+
+
+def _stack_experts_mxfp4(ck: Checkpoint, layer: int, pop: bool) -> dict[str, object]:
+    """MXFP4 experts in the fused-MoE layout (ops.mxfp4.MXFP4Weights fields): {"fmt": "mxfp4",
+    "w13" uint8 [E, 2I, H/2], "s13" uint8 [E, 2I, H/32], "w2" uint8 [E, H, I/2], "s2" uint8 [E, H, I/32],
+    "act", "act_rule", "a13_scale", "a2_scale"}. The W4A8-FP8 activation scales are per expert in the
+    checkpoint; the fused kernels take one per stage: the max over experts (gate and up together), as
+    vLLM's fused MoE does for static fp8 input scales (UNCONFIRMED for this scheme)."""
+    cfg = ck.config
+    p = f"model.layers.{layer}.mlp.experts."
+    E = cfg.n_routed_experts
+    act, rule = mxfp4_activation(cfg)
+    out: dict[str, object] = {"fmt": "mxfp4", "act": act, "act_rule": rule, "a13_scale": None, "a2_scale": None}
+    for key, parts in (("13", ("gate_proj", "up_proj")), ("2", ("down_proj",))):
+        ws = ss = None
+        amax = None
+        for e in range(E):
+            rows = []
+            for nm in parts:
+                name = f"{p}{e}.{nm}.weight"
+                w = ck.weights.pop(name, None) if pop else ck.get(name)
+                if w is None:
+                    raise LoadError(f"tensor {name!r} is missing")
+                if not isinstance(w, QuantLinear) or w.kind != "mxfp4":
+                    raise LoadError(f"tensor {name!r} is not MXFP4 like expert 0")
+                if act == "fp8":
+                    if w.input_scale is None:
+                        raise LoadError(f"tensor {name[:-len('weight')] + 'input_scale'!r} is missing "
+                                        "(static fp8 activations of the W4A8 scheme)")
+                    amax = w.input_scale.reshape(()) if amax is None else torch.maximum(amax, w.input_scale.reshape(()))
+                rows.append(w)
+            t = torch.cat([r.packed for r in rows], 0)
+            sc = torch.cat([r.scale for r in rows], 0)
+            if ws is None:
+                ws = torch.empty((E, *t.shape), dtype=torch.uint8, device=t.device)
+                ss = torch.empty((E, *sc.shape), dtype=torch.uint8, device=sc.device)
+            if tuple(t.shape) != tuple(ws.shape[1:]) or tuple(sc.shape) != tuple(ss.shape[1:]):
+                raise LoadError(f"tensor '{p}{e}.{parts[0]}.weight' has a different shape from expert 0")
+            ws[e], ss[e] = t, sc
+        out["w" + key], out["s" + key] = ws, ss
+        if act == "fp8":
+            out["a" + key + "_scale"] = amax.float().reshape(1)
     return out

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate the committed tuned configs for the Kimi-K2.5 + EAGLE-3 shapes (static mode: no GPU
-# needed). Usage: bash scripts/tune_kimi.sh [group ...]   groups: moe mla mha (default: all).
+# needed). Usage: bash scripts/tune_kimi.sh [group ...]   groups: moe mla mha (default: all), mxfp4.
 # Extra flags for every run go in TUNE_FLAGS, e.g. TUNE_FLAGS="--mode measured --arch current".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +27,12 @@ mla() {  # Kimi MLA decode: 64 heads, latent 512 + rope 64, page 64; M = batch x
 mha() {  # EAGLE-3 draft attention: 64 heads x 128 over its own paged cache (page 64), q_len 1 and 4
   run mha_decode QL=1,HQ=64,KVH=64,D=128,PS=64 24
   MS="4,8,16,32,64,128,256,any" run mha_decode QL=4,HQ=64,KVH=64,D=128,PS=64 24
+}
+mxfp4() {  # MXFP4 (W4A4) MoE stages at the MI355X deployment shapes: TP4 (I=512) and TP8 (I=256), gfx950
+  for I in 256 512; do
+    ARCHS=gfx950 MS="1,2,4,8,16,32,64,128" run moe_stage1_mxfp4 E=384,K=7168,I=$I,TOPK=8 8
+    ARCHS=gfx950 MS="1,2,4,8,16,32,64,128" run moe_stage2_mxfp4 E=384,H=7168,I=$I,TOPK=8 8
+  done
 }
 groups=("$@")
 [ ${#groups[@]} -eq 0 ] && groups=(moe mla mha)

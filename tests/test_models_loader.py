@@ -42,10 +42,15 @@ def test_fixture_roundtrip_exact(fx_dir, kind, arch):
     expect = {"kimi-k25": ("compressed-tensors", "ct", 32), "kimi-k25-w4a8": ("quark-w4a8", "quark_reorder", 0),
               "eagle3-int4": ("quark-int4", "quark_reorder", 0),
               "eagle3-fp8": ("quark-fp8", "e4m3fnuz" if arch == "gfx942" else "e4m3fn", 0)}
+    expect["kimi-k25-mxfp4"] = ("quark-mxfp4", "e2m1", 32)
     q = [w for w in ck.weights.values() if isinstance(w, QuantLinear)]
     if kind in expect:
         assert q and {(w.source, w.pack, w.group) for w in q} == {expect[kind]}
         for w in q:   # per-channel scales f32; compressed-tensors group scales stay bf16 (as stored)
+            if w.kind == "mxfp4":  # E8M0 scale bytes per 32, two fp4 codes per byte, as stored
+                assert w.scale.dtype == w.packed.dtype == torch.uint8
+                assert tuple(w.packed.shape) == (w.shape[0], w.shape[1] // 2)
+                continue
             assert w.scale.dtype == (torch.bfloat16 if w.group else torch.float32)
             if w.kind == "int4":
                 assert w.packed.dtype == torch.int32 and tuple(w.packed.shape) == (w.shape[0], w.shape[1] // 8)
