@@ -17,6 +17,9 @@ from .lang import (  # noqa: F401
     full, full_range, grid, load, log, log2, max, maximum, min, minimum, require, rsqrt, sigmoid, silu, sin,
     span, sqrt, static, store, sum, tile, tiles, tunable, where, zeros,
 )
+from .lang import (  # noqa: F401
+    argmax, argmin, cumsum, erf, grouped, indices, iota, pow, rint, sort, tanh, topk, triton_call,
+)
 from .errors import KdslError, ConfigError, LaunchError, TraceError, CompileError  # noqa: F401
 from .kernel import Kernel, Specialization, kernel, REGISTRY  # noqa: F401
 from .record import LaunchRecord, recording  # noqa: F401
