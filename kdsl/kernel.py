@@ -87,7 +87,10 @@ class Kernel:
         self._specs: dict[Any, Specialization] = {}
         self._tunable_cache: dict[Any, dict[str, TunableSpec]] = {}
         if self.name in REGISTRY and REGISTRY[self.name].fn.__code__ is not fn.__code__:
-            raise ConfigError(self.name, None, "a different kernel with this name is already registered")
+            other = REGISTRY[self.name].fn.__code__
+            raise ConfigError(self.name, None, f"a different kernel with this name is already registered "
+                              f"({other.co_filename}:{other.co_firstlineno}); kernel names are global: rename "
+                              f"this one with @kd.kernel(name=\"<module>_{self.name}\") or another unique name")
         REGISTRY[self.name] = self
 
     def __repr__(self) -> str:
