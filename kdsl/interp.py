@@ -47,9 +47,9 @@ erf = _f32(_erf)
 
 
 def pow(x: tl.tensor, y) -> tl.tensor:  # noqa: A001
-    """libdevice pow in f32 (x and y already broadcast-compatible)."""
+    """libdevice pow in f32 (x and y tensors or numbers, broadcast-compatible)."""
     yd = _data(y) if isinstance(y, tl.tensor) else np.float32(y)
-    xd = _data(x)
+    xd = _data(x) if isinstance(x, tl.tensor) else np.float32(x)
     with np.errstate(all="ignore"):
         d = np.power(xd.astype(np.float32), np.asarray(yd, dtype=np.float32))
     shape = np.broadcast_shapes(xd.shape, np.shape(yd))
