@@ -387,6 +387,8 @@ class Emitter:
         lv = n.attrs["loopvar"]
         self.w(f"for {lv.name} in {self._loop_range(n, start, stop)}:")
         self.indent += 1
+        if self.interp:  # the interpreter's range yields Python ints: make the loop variable an i32 scalar
+            self.w(f"{lv.name} = tl.cast({lv.name}, tl.int32)")
         self.emit_block(n.blocks[0])
         for c, y in zip(carried, n.attrs["yields"]):
             e = self.aligned(y, c.axes)
