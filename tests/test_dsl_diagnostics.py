@@ -125,3 +125,16 @@ def test_compiles_without_spills(kern, arch):
 
     r = aot.report(kern, arch)
     assert r.ok and r.spills == 0, (r.errors, r.text())
+
+
+def test_readme_router_and_persistent_snippet(monkeypatch):
+    """The top-k router / persistent GEMM snippet in README "## Writing a kernel" runs as written."""
+    import re
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    text = open(os.path.join(root, "README.md")).read()
+    section = text.split("## Writing a kernel", 1)[1].split("\n## ", 1)[0]
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "topk_router(logits, ids, wts)" in b)
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    exec(compile(snippet, "README.md", "exec"), {"__name__": "readme_snippet"})
