@@ -58,7 +58,8 @@ class Emitter:
             return self.ref(v)
         missing = [a for a in v.axes if a not in axes]
         if missing:
-            raise self.c.error(f"value {v.name} has axes {missing} that the context {list(axes)} lacks")
+            raise self.c.error(f"value {v.name} has axes {missing} that the context {list(axes)} lacks",
+                               loc=getattr(self, "cur_loc", None))
         present = [a for a in axes if a in v.axes]
         expr = v.name
         if present != list(v.axes):
@@ -117,6 +118,7 @@ class Emitter:
 
     def emit_block(self, b: Block) -> None:
         for n in b.nodes:
+            self.cur_loc = n.loc  # trace errors raised while emitting name this node's DSL line
             self.loc_comment(n)
             getattr(self, f"op_{n.op}")(n)
 
@@ -293,7 +295,8 @@ class Emitter:
         pack: T.Int4 = n.attrs["pack"]
         kax = ivals[-1].axes[0]
         if r.axes[-1] is not kax:
-            raise self.c.error(f"{h.name}: the packed axis must be the last axis of the loaded tile", h.name)
+            raise self.c.error(f"{h.name}: the packed axis must be the last axis of the loaded tile", h.name,
+                               loc=getattr(self, "cur_loc", None))
         size = ivals[-1].range_info.size
         start = ivals[-1].range_info.start
         wax = Axis(f"{kax.label}_words", size // 8)
