@@ -135,11 +135,18 @@ def _dce_block(block: Block, counts: dict[int, int]) -> int:
 
 
 def run_passes(root: Block, target: Target) -> dict[str, int]:
+    from .irtools import verify
+
+    verify(root, stage="trace")
     stats = {"dot_acc_fused": fuse_dot_accumulate(root)}
+    verify(root, stage="dot-accumulate fusion")
     legalize(root, target)
     stats["cse"] = cse(root)
+    verify(root, stage="common subexpressions")
     stats["hoisted"] = hoist_invariants(root)
+    verify(root, stage="hoisting")
     stats["dead_removed"] = dce(root)
+    verify(root, stage="dead code removal")
     return stats
 
 

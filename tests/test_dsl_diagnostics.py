@@ -138,3 +138,22 @@ def test_readme_router_and_persistent_snippet(monkeypatch):
     monkeypatch.chdir(root)
     monkeypatch.setattr(sys, "path", list(sys.path))
     exec(compile(snippet, "README.md", "exec"), {"__name__": "readme_snippet"})
+
+
+def test_emit_ir_and_verifier(capsys):
+    from kdsl.__main__ import main
+    from kdsl.irtools import verify
+
+    assert main(["-m", "docs/my_kernels.py", "show", "softmax_rows", "--emit", "ir"]) == 0
+    out = capsys.readouterr().out
+    assert "fold %" in out and "yield %m_new, %l_new" in out and "my_kernels.py:" in out
+
+    from kdsl.targets import get_target
+
+    ctx = g_attn_like._trace(get_target("interpret"), {"BLOCK_M": 2}, {})
+    verify(ctx.root)                               # a valid kernel passes; now break one on purpose
+    fold = next(n for n in ctx.root.nodes if n.op == "fold")
+    inner = fold.blocks[0].nodes[-1]
+    ctx.root.nodes.insert(0, inner)                # a use before its operands are defined
+    with pytest.raises(TraceError, match="IR verifier after trace: .*before .*definition .*test_dsl_diagnostics.py:"):
+        verify(ctx.root)
