@@ -1,6 +1,17 @@
 """Lowerings the Triton interpreter needs for ops whose `tl` forms are `@triton.jit` library functions
 (not callable from an interpreted kernel) or backend libdevice calls (absent on the CPU): each takes and
-returns interpreter tensors and computes with numpy, with the semantics of the GPU lowering."""
+returns interpreter tensors and computes with numpy, with the semantics of the GPU lowering.
+
+What Triton 3.9's interpreter (an `InterpretedFunction`, as kdsl runs it) gets wrong or cannot run:
+- `tl.argmax/argmin/cumsum/sort/topk` (like `tl.sum/max/sigmoid`) are `@triton.jit` functions of
+  `triton.language.standard`: calling one raises "Cannot call @triton.jit'd outside of the scope of a
+  kernel". The emitter uses `tl.reduce` with `_argmax/_argmin_combine_tie_break_left` (patched to numpy's
+  leftmost arg-reductions) and `tl.associative_scan` with `_sum_combine` (patched to `np.cumsum`); the
+  sorting network of sort/top-k is replaced by `sort`/`topk` below (the packed keys are the GPU's).
+- `triton.language.extra.libdevice` (tanh, rint, pow) has no interpreter lowering (TypeError "cannot
+  convert None to tensor"): `tanh`, `rint`, `pow` below. `tl.math.erf` runs (math.erf per element).
+- `for i in range(...)` hands the body a Python int, so `i.to(...)` fails: the emitter casts it to i32.
+- A user `@triton.jit` helper must be wrapped as `InterpretedFunction(helper.fn)` to be called."""
 from __future__ import annotations
 
 import math
