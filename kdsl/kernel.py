@@ -159,7 +159,11 @@ class Kernel:
                     args[i] = c.dims[pname]
             self.fn(*args)
         if not c.grid:
-            raise c.error("the kernel never called kd.grid(...)")
+            from .ir import Loc
+
+            code = self.fn.__code__
+            raise c.error("the kernel never called kd.grid(...)",
+                          loc=Loc(code.co_filename, code.co_firstlineno, f"def {code.co_name}(...)"))
         unknown = set(tun) - set(c.tunables)
         if unknown:
             raise ConfigError(self.name, sorted(unknown)[0], f"not a tunable of this kernel; tunables: {sorted(c.tunables)}")
