@@ -136,6 +136,12 @@ def _run(args: argparse.Namespace) -> int:
         static = {d: v for d, v in {**k.example, **problem}.items() if d in k.static}
         print(k.source(cfg, target, static), end="")
         return 0
+    if args.emit == "ir":
+        from .irtools import kernel_ir
+
+        static = {d: v for d, v in {**k.example, **problem}.items() if d in k.static}
+        print(kernel_ir(k, cfg, target, static), end="")
+        return 0
     if target.backend == "interpret":
         raise UsageError("--arch", "interpret has no assembly or report; use --arch gfx942|gfx950|sm90")
     if args.emit in ("asm", "ttgir", "llir"):
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     sh = sub.add_parser("show", help="print a kernel's generated Triton, its assembly or its resource report")
     sh.add_argument("kernel")
     sh.add_argument("--arch", default="gfx942", help="gfx942 | gfx950 | sm90 | interpret (default gfx942)")
-    sh.add_argument("--emit", choices=("triton", "asm", "ttgir", "llir", "report"), default="report")
+    sh.add_argument("--emit", choices=("triton", "ir", "asm", "ttgir", "llir", "report"), default="report")
     sh.add_argument("--config", help="tile config as JSON, e.g. '{\"BLOCK_N\": 64, \"num_warps\": 4}'; "
                                      "default: the kernel's defaults")
     sh.add_argument("--problem", help="dims as NAME=INT,... (default: the kernel's Kimi-K2.5 example shape); "

@@ -58,7 +58,8 @@ class Emitter:
             return self.ref(v)
         missing = [a for a in v.axes if a not in axes]
         if missing:
-            raise self.c.error(f"value {v.name} has axes {missing} that the context {list(axes)} lacks")
+            raise self.c.error(f"value {v.name} has axes {missing} that the context {list(axes)} lacks",
+                               loc=getattr(self, "cur_loc", None))
         present = [a for a in axes if a in v.axes]
         expr = v.name
         if present != list(v.axes):
@@ -106,8 +107,18 @@ class Emitter:
             self.w(f"# {os.path.basename(n.loc.file)}:{n.loc.line}: {n.loc.text}")
 
     # -- program -------------------------------------------------------------------------------
+    def _loop_range(self, n: Node, start: Any, stop: Any) -> str:
+        """`range(start, stop, step)`; `tl.range(..., num_stages=)` where the fold asks for stages."""
+        step = n.attrs.get("step")
+        step_s = str(n.attrs["block"]) if step is None else self.ref(step)
+        stages = n.attrs.get("num_stages")
+        if stages is not None and getattr(self.target, "backend", None) != "interpret":
+            return f"tl.range({self.ref(start)}, {self.ref(stop)}, {step_s}, num_stages={stages})"
+        return f"range({self.ref(start)}, {self.ref(stop)}, {step_s})"
+
     def emit_block(self, b: Block) -> None:
         for n in b.nodes:
+            self.cur_loc = n.loc  # trace errors raised while emitting name this node's DSL line
             self.loc_comment(n)
             getattr(self, f"op_{n.op}")(n)
 
@@ -284,7 +295,8 @@ class Emitter:
         pack: T.Int4 = n.attrs["pack"]
         kax = ivals[-1].axes[0]
         if r.axes[-1] is not kax:
-            raise self.c.error(f"{h.name}: the packed axis must be the last axis of the loaded tile", h.name)
+            raise self.c.error(f"{h.name}: the packed axis must be the last axis of the loaded tile", h.name,
+                               loc=getattr(self, "cur_loc", None))
         size = ivals[-1].range_info.size
         start = ivals[-1].range_info.start
         wax = Axis(f"{kax.label}_words", size // 8)
@@ -376,8 +388,10 @@ class Emitter:
                 e = f"tl.full({self.shape(c.axes)}, {e}, {tl_type(c.dtype)})"
             self.w(f"{c.name} = {e}")
         lv = n.attrs["loopvar"]
-        self.w(f"for {lv.name} in range({self.ref(start)}, {self.ref(stop)}, {n.attrs['block']}):")
+        self.w(f"for {lv.name} in {self._loop_range(n, start, stop)}:")
         self.indent += 1
+        if self.interp:  # the interpreter's range yields Python ints: make the loop variable an i32 scalar
+            self.w(f"{lv.name} = tl.cast({lv.name}, tl.int32)")
         self.emit_block(n.blocks[0])
         for c, y in zip(carried, n.attrs["yields"]):
             e = self.aligned(y, c.axes)
@@ -466,13 +480,148 @@ class Emitter:
         acc_s = f", acc={ACC}" if ACC is not None else ""
         self.w(f"{r.name} = tl.dot_scaled({A}, {SA}, \"{fa}\", {B}, {SB}, \"e2m1\"{acc_s}, out_dtype=tl.float32)")
 
+    # -- index reductions, scans, sorts, more math, foreign calls ----------------------------------
+    @property
+    def interp(self) -> bool:
+        return getattr(self.target, "backend", None) == "interpret"
+
+    def need(self, line: str) -> None:
+        """A module-level import the generated file needs (written after `import triton.language`)."""
+        if not hasattr(self, "imports"):
+            self.imports: list[str] = []
+        if line not in self.imports:
+            self.imports.append(line)
+
+    def op_iota(self, n: Node) -> None:
+        self.w(f"{n.results[0].name} = tl.arange(0, {n.attrs['axis'].size})")
+
+    def op_argreduce(self, n: Node) -> None:
+        r, x = n.results[0], n.args[0]
+        ax = x.axes.index(n.attrs["axis"])
+        op = n.attrs["op"]
+        src = self.ref(x)
+        if self.interp:  # the patched tl.reduce maps these combine functions to numpy's (leftmost) arg-reductions
+            self.w(f"{r.name} = tl.reduce(({src}, {src}), {ax}, tl.standard._{op}_combine_tie_break_left)[1]")
+        else:
+            self.w(f"{r.name} = tl.{op}({src}, axis={ax}, tie_break_left=True)")
+
+    def op_scan(self, n: Node) -> None:
+        r, x = n.results[0], n.args[0]
+        ax = x.axes.index(n.attrs["axis"])
+        if self.interp:  # tl.cumsum is a JITFunction; the patched associative_scan maps _sum_combine to numpy
+            self.w(f"{r.name} = tl.associative_scan({self.ref(x)}, {ax}, tl.standard._sum_combine)")
+        else:
+            self.w(f"{r.name} = tl.cumsum({self.ref(x)}, axis={ax})")
+
+    def _last_layout(self, x: Value, sel: tuple[Axis, ...]) -> tuple[str, tuple[Axis, ...]]:
+        others = tuple(a for a in x.axes if a not in sel)
+        lay = others + sel
+        return self.aligned(x, lay), others
+
+    def op_sort(self, n: Node) -> None:
+        x, r = n.args[0], n.results[0]
+        X, _ = self._last_layout(x, (n.attrs["axis"],))
+        desc = bool(n.attrs["descending"])
+        if self.interp:
+            self.need("from kdsl import interp as _kdi")
+            self.w(f"{r.name} = _kdi.sort({X}, {desc})")
+        else:
+            self.w(f"{r.name} = tl.sort({X}, descending={desc})")
+
+    def op_topk(self, n: Node) -> None:
+        """Pack (value, index) into one i64 key that orders by value then by index, sort the keys
+        along the last dim (the selected axes moved last and flattened), and unpack."""
+        x, idx = n.args
+        vals, ids = n.results
+        sel, k, largest = n.attrs["axes"], n.attrs["k"], n.attrs["largest"]
+        X, others = self._last_layout(x, tuple(sel))
+        lay = others + tuple(sel)
+        total = 1
+        for a in sel:
+            total *= a.size
+        I = self.aligned(idx, lay)
+        if set(idx.axes) != set(lay):
+            I = f"tl.broadcast_to({I}, {self.shape(lay)})"
+        flat = "(" + ", ".join([str(a.size) for a in others] + [str(total)]) + ("," if not others else "") + ")"
+        o, key, srt = self.fresh("ord"), self.fresh("key"), self.fresh("ks")
+        if x.dtype.is_float:  # f32 bits as a signed int that orders like the float
+            xi = self.fresh("xi")
+            self.w(f"{xi} = {self._paren(X)}.to(tl.int32, bitcast=True)")
+            self.w(f"{o} = tl.where({xi} < 0, {xi} ^ 0x7FFFFFFF, {xi})")
+        else:
+            self.w(f"{o} = {X}")
+        low = f"(0x7FFFFFFF - {self._paren(I)})" if largest else I
+        self.w(f"{key} = ({o}.to(tl.int64) << 32) | {low}.to(tl.int64)")
+        if len(sel) > 1:
+            self.w(f"{key} = tl.reshape({key}, {flat})")
+        if self.interp:
+            self.need("from kdsl import interp as _kdi")
+            call = f"_kdi.sort({key}, {largest})" if k == total else f"_kdi.topk({key}, {k}, {largest})"
+        else:
+            call = (f"tl.sort({key}, descending={largest})" if k == total
+                    else f"tl.topk({key}, {k}, descending={largest})")
+        self.w(f"{srt} = {call}")
+        hi = self.fresh("hi")
+        self.w(f"{hi} = ({srt} >> 32).to(tl.int32)")
+        if x.dtype.is_float:
+            self.w(f"{vals.name} = tl.where({hi} < 0, {hi} ^ 0x7FFFFFFF, {hi}).to(tl.float32, bitcast=True)")
+        else:
+            self.w(f"{vals.name} = {hi}")
+        lo = f"({srt} & 0x7FFFFFFF).to(tl.int32)"
+        self.w(f"{ids.name} = {'0x7FFFFFFF - ' + lo if largest else lo}")
+
+    def op_math_ext(self, n: Node) -> None:
+        r, op = n.results[0], n.attrs["op"]
+        a = self.ref(n.args[0])
+        if op == "erf":
+            self.w(f"{r.name} = tl.math.erf({a})")
+        elif self.interp:
+            self.need("from kdsl import interp as _kdi")
+            self.w(f"{r.name} = _kdi.{op}({a})")
+        else:
+            self.need("from triton.language.extra import libdevice")
+            self.w(f"{r.name} = libdevice.{op}({a})")
+
+    def op_pow(self, n: Node) -> None:
+        r = n.results[0]
+        a, b = (self.aligned(x, r.axes) for x in n.args)
+        if self.interp:
+            self.need("from kdsl import interp as _kdi")
+            self.w(f"{r.name} = _kdi.pow({a}, {b})")
+        else:
+            self.need("from triton.language.extra import libdevice")
+            if not n.args[1].axes and n.args[0].axes:
+                b = f"tl.full({self.shape(r.axes)}, {b}, tl.float32)"
+            elif not n.args[0].axes and n.args[1].axes:
+                a = f"tl.full({self.shape(r.axes)}, {a}, tl.float32)"
+            self.w(f"{r.name} = libdevice.pow({a}, {b})")
+
+    def op_triton_call(self, n: Node) -> None:
+        mod, name, lay = n.attrs["module"], n.attrs["name"], n.attrs["layout"]
+        alias = f"_ext_{name}"
+        self.need("import importlib")
+        if self.interp:
+            self.need("from triton.runtime.interpreter import InterpretedFunction as _Interp")
+            self.need(f"{alias} = _Interp(importlib.import_module({mod!r}).{name}.fn)")
+        else:
+            self.need(f"{alias} = importlib.import_module({mod!r}).{name}")
+        args = ", ".join(self.aligned(a, lay) if a.axes else self.ref(a) for a in n.args)
+        outs = n.results
+        res = self.fresh("call")
+        self.w(f"{res} = {alias}({args})")
+        for i, r in enumerate(outs):
+            e = res if len(outs) == 1 else f"{res}[{i}]"
+            if r.axes:
+                e = f"tl.broadcast_to({e}, {self.shape(r.axes)})"
+            self.w(f"{r.name} = {e}.to({tl_type(r.dtype)})")
+
 
 def emit_module(c: TraceContext, target: Any, fn_name: str, header: list[str]) -> str:
     em = Emitter(c, target, fn_name)
     em.emit_block(c.root)
     params = ", ".join(p[0] for p in c.params)
     out = ["# " + h for h in header]
-    out += ["import triton", "import triton.language as tl", "", "",
+    out += ["import triton", "import triton.language as tl", *getattr(em, "imports", []), "", "",
             "@triton.jit", f"def {fn_name}({params}):"]
     out += em.lines if em.lines else ["    pass"]
     return "\n".join(out) + "\n"

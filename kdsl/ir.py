@@ -157,10 +157,14 @@ class TraceContext:
         self.stack[-1].nodes.append(node)
         return node
 
-    def error(self, rule: str, param: str | None = None):
+    def error(self, rule: str, param: str | None = None, loc: "Loc | None" = None):
+        """A TraceError naming the DSL line being traced (or `loc`) as `file:line: text`."""
         from .errors import TraceError
 
-        return TraceError(self.kernel_name, param, rule)
+        loc = loc or caller_loc()
+        err = TraceError(self.kernel_name, param, rule + (f" (at {loc.short()}: {loc.text})" if loc else ""))
+        err.loc = loc  # type: ignore[attr-defined]
+        return err
 
 
 _local = threading.local()
@@ -180,9 +184,12 @@ class tracing:
     def __enter__(self) -> TraceContext:
         self.prev = getattr(_local, "ctx", None)
         _local.ctx = self.c
+        self.prev_profile = sys.getprofile()
+        sys.setprofile(_naming_profiler(self.c, self.prev_profile))
         return self.c
 
     def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(self.prev_profile)
         _local.ctx = self.prev
 
 
@@ -192,3 +199,57 @@ def walk(block: Block):
         yield n
         for b in n.blocks:
             yield from walk(b)
+
+
+# ----------------------------------------------------------------------------------------------
+# user variable names for generated code
+
+_RESERVED = {"tl", "triton", "range", "float", "int", "len", "min", "max", "abs", "print", "importlib",
+             "libdevice", "self"}
+
+
+def _is_auto(v: Value) -> bool:
+    """A name the trace made up (`hint_N`), which a user variable name may replace."""
+    n = v.name
+    if n is None or v.const is not None or getattr(v, "_user_named", False):
+        return False
+    head, _, tail = n.rpartition("_")
+    return head == v.hint and tail.isdigit()
+
+
+def name_from_locals(c: TraceContext, local_vars: dict[str, Any]) -> None:
+    """Give auto-named values the names of the user variables bound to them."""
+    used = getattr(c, "_user_names", None)
+    if used is None:
+        used = c._user_names = {p[0] for p in c.params} | set(c.operands) | set(c.dims)  # type: ignore[attr-defined]
+    for var, v in local_vars.items():
+        if not isinstance(v, Value) or not _is_auto(v) or not var.isidentifier():
+            continue
+        if var.startswith("_") or var in _RESERVED or var == c.kernel_name:
+            continue
+        base = var
+        if base.rpartition("_")[2].isdigit():
+            base += "_v"
+        name, i = base, 1
+        while name in used:
+            i += 1
+            name = f"{base}_{i}"
+        used.add(name)
+        v.name = name
+        v._user_named = True  # type: ignore[attr-defined]
+
+
+def _naming_profiler(c: TraceContext, chained: Any):
+    """A profile hook active while tracing: when a function outside kdsl returns, the tile values
+    its local variables hold take those variables' names."""
+    def prof(frame, event, arg):
+        if event == "return":
+            fn = frame.f_code.co_filename
+            if not fn.startswith(_KDSL_DIR) and "site-packages" not in fn and not fn.startswith("<"):
+                try:
+                    name_from_locals(c, frame.f_locals)
+                except Exception:  # naming is cosmetic: never break a trace
+                    pass
+        if chained is not None:
+            return chained(frame, event, arg)
+    return prof

@@ -87,7 +87,10 @@ class Kernel:
         self._specs: dict[Any, Specialization] = {}
         self._tunable_cache: dict[Any, dict[str, TunableSpec]] = {}
         if self.name in REGISTRY and REGISTRY[self.name].fn.__code__ is not fn.__code__:
-            raise ConfigError(self.name, None, "a different kernel with this name is already registered")
+            other = REGISTRY[self.name].fn.__code__
+            raise ConfigError(self.name, None, f"a different kernel with this name is already registered "
+                              f"({other.co_filename}:{other.co_firstlineno}); kernel names are global: rename "
+                              f"this one with @kd.kernel(name=\"<module>_{self.name}\") or another unique name")
         REGISTRY[self.name] = self
 
     def __repr__(self) -> str:
@@ -156,7 +159,11 @@ class Kernel:
                     args[i] = c.dims[pname]
             self.fn(*args)
         if not c.grid:
-            raise c.error("the kernel never called kd.grid(...)")
+            from .ir import Loc
+
+            code = self.fn.__code__
+            raise c.error("the kernel never called kd.grid(...)",
+                          loc=Loc(code.co_filename, code.co_firstlineno, f"def {code.co_name}(...)"))
         unknown = set(tun) - set(c.tunables)
         if unknown:
             raise ConfigError(self.name, sorted(unknown)[0], f"not a tunable of this kernel; tunables: {sorted(c.tunables)}")

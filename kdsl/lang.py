@@ -574,13 +574,19 @@ def full_range(name: str) -> Value:
     return span(0, size, n if size != n else None, name)
 
 
-def grid(*specs: str | tile | each) -> list[Value]:
-    """Launch one program per tile of the listed dims; returns each program's tile (or index)."""
+def grid(*specs: str | tile | each, order: "grouped | None" = None, programs: str | None = None) -> list[Value]:
+    """Launch one program per tile of the listed dims; returns each program's tile (or index).
+
+    `order=kd.grouped(...)` remaps program ids to a grouped order; `programs="P"` launches P programs
+    (a dim of the kernel) that each loop over tiles P apart (a persistent schedule): the rest of the
+    kernel body runs once per tile."""
     c = ctx()
     if c.grid:
         raise c.error("kd.grid may be called once per kernel")
     if not 1 <= len(specs) <= 3:
         raise c.error(f"grid takes 1 to 3 dims, got {len(specs)}")
+    if order is not None or programs is not None:
+        return _grid_remapped(specs, order, programs)
     out = []
     for axis, s in enumerate(specs):
         s = tile(s) if isinstance(s, str) else s
@@ -610,10 +616,12 @@ class tiles:
 
     def __init__(self, dim: str | None = None, *, start: Value | int = 0, stop: Value | int | None = None,
                  block: str | int | None = None, domain: Sequence[int] = DEFAULT_BLOCK_DOMAIN,
-                 default: int | None = None, label: str | None = None) -> None:
+                 default: int | None = None, label: str | None = None, step: Value | int | None = None,
+                 num_stages: int | None = None) -> None:
         if dim is None and stop is None:
             raise ctx().error("tiles needs a dim or a stop")
         self.dim, self.start, self.stop, self.block = dim, start, stop, block
+        self.step, self.num_stages = step, num_stages  # step None: the block
         self.domain, self.default = tuple(domain), default
         self.label = label or dim or "r"
 
@@ -626,11 +634,21 @@ class tiles:
         return self.start, stop, b
 
 
-def fold(over: str | tiles, init: Value | Sequence[Value], body: Callable[..., Any]) -> Any:
-    """Loop over tiles carrying state: `body(tile, *state) -> new state` (a value or a tuple)."""
+def fold(over: "str | tiles | indices", init: Value | Sequence[Value] | None, body: Callable[..., Any]) -> Any:
+    """Loop over tiles carrying state: `body(tile, *state) -> new state` (a value or a tuple).
+
+    `init=()` or None: no state (the body returns None). Over `kd.indices(...)` the body gets a scalar."""
     c = ctx()
     spec = tiles(over) if isinstance(over, str) else over
-    start, stop, block = spec.resolve()
+    if isinstance(spec, indices):
+        start, stop, block = spec.start, spec.stop, 1
+    else:
+        start, stop, block = spec.resolve()
+    if isinstance(spec.num_stages, bool) or not (spec.num_stages is None or (isinstance(spec.num_stages, int)
+                                                                            and spec.num_stages >= 1)):
+        raise c.error(f"num_stages must be an int >= 1, got {spec.num_stages!r}")
+    stateless = init is None or (isinstance(init, (tuple, list)) and not init)
+    init = () if init is None else init
     single = isinstance(init, Value)
     inits = [init] if single else list(init)
     for v in inits:
@@ -646,11 +664,13 @@ def fold(over: str | tiles, init: Value | Sequence[Value], body: Callable[..., A
     body_block = Block()
     c.stack.append(body_block)
     try:
-        r = span(loopvar, block, stop, spec.label)
+        r = loopvar if isinstance(spec, indices) else span(loopvar, block, stop, spec.label)
         res = body(r, *carried)
     finally:
         c.stack.pop()
-    outs = [res] if single else list(res) if isinstance(res, (tuple, list)) else [res]
+    if stateless and res is not None and not (isinstance(res, (tuple, list)) and not res):
+        raise c.error("a fold with no state (init=()) needs a body that returns None")
+    outs = [] if stateless else [res] if single else list(res) if isinstance(res, (tuple, list)) else [res]
     if len(outs) != len(inits):
         raise c.error(f"fold body returned {len(outs)} values for {len(inits)} state values")
     for o, v in zip(outs, carried):
@@ -660,10 +680,17 @@ def fold(over: str | tiles, init: Value | Sequence[Value], body: Callable[..., A
     outs = [as_value(o, like=v) for o, v in zip(outs, carried)]
     node = c.add("fold", [start, stop, *inits], {"block": block, "loopvar": loopvar, "yields": outs,
                                                   "range": r}, [])
+    if isinstance(spec, indices) or spec.step is not None:
+        node.attrs["step"] = spec.step
+        node.attrs["scalar"] = isinstance(spec, indices)
+    if spec.num_stages is not None:
+        node.attrs["num_stages"] = spec.num_stages
     node.results = carried
     for v in carried:
         v.node = node
     node.blocks = [body_block]
+    if stateless:
+        return None
     return carried[0] if single else tuple(carried)
 
 
@@ -671,6 +698,9 @@ def exit_if(cond: Value) -> None:
     """Return early from the whole program when a scalar condition holds."""
     if cond.axes:
         raise ctx().error("exit_if needs a scalar condition")
+    if getattr(ctx(), "persistent", False):
+        raise ctx().error("exit_if would end every remaining tile of a persistent schedule (programs=): "
+                          "guard the stores with a mask instead")
     ctx().add("exit_if", [cond], {}, [])
 
 
@@ -781,5 +811,379 @@ def _install_operand_methods() -> None:
 
 
 _install_operand_methods()
+
+# ----------------------------------------------------------------------------------------------
+# index reductions, scans, top-k and sort, more math
+
+def _masked_fill(x: Value, axes: Sequence[Axis], fill: int | float) -> Value:
+    """`x` with `fill` in the masked-off lanes of `axes` (the tail of a tile holds the load's `other`)."""
+    tail = sorted((mk for mk in x.masks if any(a in mk.axes for a in axes)), key=lambda mk: mk.name)
+    if not tail:
+        return x
+    cond = tail[0]
+    for mk in tail[1:]:
+        cond = binary("&", cond, mk)
+    return where(cond, x, fill)
+
+
+def _lowest(dt: T.DType) -> int | float:
+    return float("-inf") if dt.is_float else torch_iinfo(dt)[0]
+
+
+def _highest(dt: T.DType) -> int | float:
+    return float("inf") if dt.is_float else torch_iinfo(dt)[1]
+
+
+def _key_operand(v: Any, what: str) -> Value:
+    """Values that index reductions and sorts compare: floats in f32, integers in i32."""
+    v = as_value(v)
+    if v.dtype.is_float:
+        if v.dtype is T.f64:
+            raise ctx().error(f"{what} compares f32 or narrower floats, got f64: cast to f32")
+        return cast(v, T.f32) if v.dtype is not T.f32 else v
+    if v.dtype.bits > 32 or v.dtype is T.u32:
+        raise ctx().error(f"{what} compares i32 or narrower integers, got {v.dtype!r}")
+    return cast(v, T.i32) if v.dtype is not T.i32 else v
+
+
+def _argreduce(op: str, v: Any, axis: Value | Axis) -> Value:
+    x = _key_operand(v, f"kd.{op}")
+    ax = _axis_of(x, axis)
+    x = _masked_fill(x, [ax], _lowest(x.dtype) if op == "argmax" else _highest(x.dtype))
+    masks = frozenset(m for m in x.masks if ax not in m.axes)
+    out = Value(T.i32, tuple(a for a in x.axes if a is not ax), masks, hint="idx")
+    ctx().add("argreduce", [x], {"op": op, "axis": ax}, [out])
+    return out
+
+
+def argmax(v: Any, axis: Value | Axis) -> Value:
+    """Position (0-based, within the tile) of the largest element along `axis`; ties: lowest position.
+    Masked-off lanes never win. Add the tile's `.start` for a global index."""
+    return _argreduce("argmax", v, axis)
+
+
+def argmin(v: Any, axis: Value | Axis) -> Value:
+    """Position of the smallest element along `axis`; ties: lowest position."""
+    return _argreduce("argmin", v, axis)
+
+
+def cumsum(v: Any, axis: Value | Axis) -> Value:
+    """Inclusive prefix sum along `axis`; masked-off lanes count as zero. Narrow floats sum in f32,
+    narrow ints in i32 (as `kd.sum`)."""
+    x = as_value(v)
+    ax = _axis_of(x, axis)
+    dt = x.dtype
+    dt = (T.f32 if dt.bits < 32 else dt) if dt.is_float else (T.i32 if dt.bits < 32 else dt)
+    if dt is not x.dtype:
+        x = cast(x, dt)
+    x = _masked_fill(x, [ax], 0.0 if dt.is_float else 0)
+    out = Value(dt, x.axes, x.masks, hint="cs")
+    ctx().add("scan", [x], {"op": "sum", "axis": ax}, [out])
+    return out
+
+
+def iota(axis: Value | Axis) -> Value:
+    """The positions 0..size-1 of an existing axis, as an i32 tile over that axis."""
+    ax = axis if isinstance(axis, Axis) else (axis.axes[0] if isinstance(axis, Value) and len(axis.axes) == 1 else None)
+    if ax is None:
+        raise ctx().error(f"iota takes one axis (a 1-D tile or an Axis), got {axis!r}")
+    out = Value(T.i32, (ax,), hint="pos")
+    ctx().add("iota", [], {"axis": ax}, [out])
+    return out
+
+
+def _axes_arg(x: Value, axis: Any) -> list[Axis]:
+    axs = [_axis_of(x, a) for a in (axis if isinstance(axis, (tuple, list)) else (axis,))]
+    if len(set(axs)) != len(axs):
+        raise ctx().error(f"axis {axis!r} names one axis twice")
+    return axs
+
+
+def topk(v: Any, k: int, axis: Any, index: Value | None = None, largest: bool = True,
+         into: Value | None = None) -> tuple[Value, Value]:
+    """The `k` largest (`largest=False`: smallest) elements along `axis`, sorted, and their indices.
+
+    Ties go to the lowest index. The index of an element is its position along `axis` (row-major
+    over a tuple of axes), or the value of `index` (a non-negative i32 tile over some of `v`'s axes,
+    e.g. an expert id) when given. The result lies on a new axis of size k (padded to a power of
+    two and masked), or along `into` (a 1-D tile of that padded size, e.g. `kd.full_range("K")`, so the
+    results can index a store). Masked-off lanes of `v` rank last. Floats compare as f32 (-0.0 below +0.0,
+    NaN above +inf); integers as i32. Values come back in `v`'s type."""
+    c = ctx()
+    src = as_value(v)
+    x = _key_operand(src, "kd.topk")
+    axs = _axes_arg(x, axis)
+    n = 1
+    for a in axs:
+        n *= a.size
+    if not isinstance(k, int) or not 1 <= k <= n:
+        raise c.error(f"topk: k={k!r} must be an int in [1, {n}] (the tile size along {axs})")
+    x = _masked_fill(x, axs, _lowest(x.dtype) if largest else _highest(x.dtype))
+    if index is None:
+        pos = None
+        for a in axs:
+            p = iota(a)
+            pos = p if pos is None else pos * a.size + p
+        index = pos
+    index = as_value(index)
+    if index.dtype.is_float or index.dtype.bits > 32:
+        raise c.error(f"topk: index must be an i32 tile, got {index.dtype!r}")
+    if not set(index.axes) <= set(x.axes):
+        raise c.error(f"topk: index axes {list(index.axes)} are not axes of the value {list(x.axes)}")
+    index = cast(index, T.i32) if index.dtype is not T.i32 else index
+    kp2 = 1 << (k - 1).bit_length()
+    others = tuple(a for a in x.axes if a not in axs)
+    omasks = frozenset(m for m in x.masks | index.masks if not any(a in m.axes for a in axs))
+    if into is not None and into is not False:
+        if not isinstance(into, Value) or len(into.axes) != 1 or into.axes[0].size != kp2 or into.axes[0] in x.axes:
+            raise c.error(f"topk: into= must be a 1-D tile of size {kp2} (k={k} padded to a power of two) "
+                          f"on an axis the value does not have, got {into!r}")
+        kax, kmasks = into.axes[0], into.masks
+    elif len(axs) == 1 and kp2 == n and into is False:  # kd.sort: the result stays on the same axis
+        kax = axs[0]
+        kmasks = frozenset(m for m in x.masks if kax in m.axes)
+    else:
+        kr = span(0, kp2, k if kp2 != k else None, "k")
+        kax, kmasks = kr.axes[0], kr.masks
+    vals = Value(x.dtype, others + (kax,), omasks | kmasks, hint="top")
+    ids = Value(T.i32, others + (kax,), omasks | kmasks, hint="top_id")
+    c.add("topk", [x, index], {"axes": tuple(axs), "kaxis": kax, "k": kp2, "largest": largest}, [vals, ids])
+    if src.dtype is not x.dtype and src.dtype.is_float:
+        vals = cast(vals, src.dtype)
+    return vals, ids
+
+
+def sort(v: Any, axis: Value | Axis, descending: bool = False, return_indices: bool = False) -> Any:
+    """`v` sorted along one axis (masked-off lanes go last, so the tile's mask still marks the valid
+    lanes). With `return_indices=True`, also the positions the elements came from (ties: lowest
+    first, i.e. a stable sort)."""
+    c = ctx()
+    src = as_value(v)
+    x = _key_operand(src, "kd.sort")
+    (ax,) = _axes_arg(x, axis)
+    if return_indices:
+        vals, ids = topk(src, ax.size, ax, largest=descending, into=False)  # type: ignore[arg-type]
+        return vals, ids
+    x = _masked_fill(x, [ax], _lowest(x.dtype) if descending else _highest(x.dtype))
+    others = tuple(a for a in x.axes if a is not ax)
+    out = Value(x.dtype, others + (ax,), x.masks, hint="sorted")
+    c.add("sort", [x], {"axis": ax, "descending": descending}, [out])
+    return cast(out, src.dtype) if src.dtype is not x.dtype and src.dtype.is_float else out
+
+
+def rint(x: Any) -> Value:
+    """Round to the nearest integer, ties to even (f32)."""
+    return _unary_ext("rint", x)
+
+
+def tanh(x: Any) -> Value:
+    return _unary_ext("tanh", x)
+
+
+def erf(x: Any) -> Value:
+    return _unary_ext("erf", x)
+
+
+def _unary_ext(op: str, x: Any) -> Value:
+    x = as_value(x)
+    if x.dtype not in (T.f32, T.f64):
+        x = cast(x, T.f32)
+    out = Value(x.dtype, x.axes, x.masks, hint="t")
+    ctx().add("math_ext", [x], {"op": op}, [out])
+    return out
+
+
+def pow(x: Any, y: Any) -> Value:  # noqa: A001
+    """`x ** y`. A small integer constant exponent becomes multiplications (exact, in x's type);
+    otherwise both sides are computed in f32 with the target's pow."""
+    if isinstance(y, int) and not isinstance(y, bool) and isinstance(x, Value) and -8 <= y <= 8:
+        if y == 0:
+            one = 1.0 if x.dtype.is_float else 1
+            return where(x == x, one, one)
+        base = x if y > 0 or x.dtype.is_float else cast(x, T.f32)
+        r, p, e = None, base, _abs_int(y)
+        while e:
+            if e & 1:
+                r = p if r is None else binary("*", r, p)
+            e >>= 1
+            if e:
+                p = binary("*", p, p)
+        return r if y > 0 else binary("/", 1.0, r)
+    xv = as_value(x, like=y if isinstance(y, Value) else None)
+    yv = as_value(y, like=xv)
+    xv = cast(xv, T.f32) if xv.dtype is not T.f32 else xv
+    yv = cast(yv, T.f32) if yv.dtype is not T.f32 else yv
+    out = Value(T.f32, union_axes(xv, yv), union_masks(xv, yv), hint="t")
+    ctx().add("pow", [xv, yv], {}, [out])
+    return out
+
+
+def _abs_int(n: int) -> int:
+    return n if n >= 0 else -n
+
+
+Value.__pow__ = lambda self, other: pow(self, other)  # type: ignore[attr-defined]
+Value.__rpow__ = lambda self, other: pow(other, self)  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------------------------------------------
+# loops over scalar counts, tile starts, program-id remapping
+
+class indices:
+    """What a fold walks when its body wants a scalar: `range(start, stop, step)` (the body gets an
+    i32 scalar). `num_stages` asks the target's software pipeliner for that many stages."""
+
+    def __init__(self, stop: Value | int, start: Value | int = 0, step: Value | int = 1,
+                 num_stages: int | None = None, label: str = "i") -> None:
+        self.start, self.stop, self.step, self.num_stages, self.label = start, stop, step, num_stages, label
+
+
+def _install_tile_accessors() -> None:
+    def start(self: Value) -> Value | int:
+        if self.range_info is None:
+            raise ctx().error(f"{self.name} is not a tile made by kd.grid, kd.fold or kd.span: it has no start")
+        return self.range_info.start
+
+    def size(self: Value) -> int:
+        if self.range_info is None:
+            raise ctx().error(f"{self.name} is not a tile made by kd.grid, kd.fold or kd.span: it has no size")
+        return self.range_info.size
+
+    Value.start = property(start)  # type: ignore[attr-defined]
+    Value.size = property(size)  # type: ignore[attr-defined]
+
+
+_install_tile_accessors()
+
+
+class grouped:
+    """Program order for a 2-D tile grid: `group` consecutive tiles of the first dim share each tile
+    of the second (L2 reuse of the second operand's tiles, as in grouped GEMM orderings). `group`
+    is an int or the name of a tunable (domain `domain`, default `default`)."""
+
+    def __init__(self, group: int | str = "GROUP_M", domain: Sequence[int] = (1, 2, 4, 8, 16),
+                 default: int = 8) -> None:
+        self.group, self.domain, self.default = group, tuple(domain), default
+
+    def size(self) -> int:
+        if isinstance(self.group, int):
+            if self.group < 1:
+                raise ctx().error(f"grouped: group must be >= 1, got {self.group}")
+            return self.group
+        return tunable(self.group, self.domain, self.default)
+
+
+def _open_loop(start: Value | int, stop: Value | int, step: Value | int, label: str) -> Value:
+    """A stateless scalar loop whose body stays open to the end of the trace (persistent schedules)."""
+    from .ir import Block
+
+    c = ctx()
+    loopvar = Value(T.i32, (), hint=label)
+    loopvar.name = c.fresh(label)
+    node = c.add("fold", [start, stop], {"block": 1, "loopvar": loopvar, "yields": [], "range": None,
+                                         "step": step, "scalar": True, "persistent": True}, [])
+    body = Block()
+    node.blocks = [body]
+    c.stack.append(body)
+    c.persistent = True  # type: ignore[attr-defined]
+    return loopvar
+
+
+def _grid_remapped(specs: Sequence[str | tile | each], order: grouped | None, programs: str | None) -> list[Value]:
+    """`kd.grid(..., order=, programs=)`: tile ids from a remapped program id."""
+    c = ctx()
+    if len(specs) > 2:
+        raise c.error("a remapped grid (order= or programs=) takes 1 or 2 dims")
+    if order is not None and len(specs) != 2:
+        raise c.error("order=kd.grouped(...) needs a 2-D grid")
+    norm = [tile(s) if isinstance(s, str) else s for s in specs]
+    counts, blocks = [], []
+    for s in norm:
+        dim(s.dim)
+        if isinstance(s, each):
+            blocks.append(None)
+            counts.append(dim(s.dim))
+        else:
+            b = s.block_size()
+            blocks.append(b)
+            counts.append(cdiv(dim(s.dim), b))
+    if programs is not None:
+        nprog = dim(programs)
+        c.grid.append(GridEntry("each", programs))
+        pid = _program_id(0)
+        total = counts[0] if len(counts) == 1 else counts[0] * counts[1]
+        lin = _open_loop(pid, total, nprog, "tile_id")
+    else:
+        for axis, s in enumerate(norm):
+            c.grid.append(GridEntry("each", s.dim) if isinstance(s, each) else GridEntry("tile", s.dim, blocks[axis]))
+        lin = _program_id(0)
+        if len(norm) == 2:
+            lin = lin + _program_id(1) * counts[0]  # dispatch order: axis 0 runs fastest
+    if len(norm) == 1:
+        ids = [lin]
+    elif order is None:
+        ids = [lin // counts[1], lin % counts[1]]
+    else:
+        g = order.size()
+        width = counts[1] * g
+        first = (lin // width) * g
+        gsz = minimum(counts[0] - first, g)
+        ids = [first + (lin % width) % gsz, (lin % width) // gsz]
+    out = []
+    for s, b, i in zip(norm, blocks, ids):
+        out.append(i if b is None else span(i * b, b, dim(s.dim), s.dim))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the escape hatch: call a @triton.jit helper
+
+def triton_call(fn: Any, *args: Any, dtype: T.ElemType | None = None, axes: Sequence[Value | Axis] | None = None,
+                results: int = 1) -> Any:
+    """Call a `@triton.jit` function `fn` (defined at module level in an importable user module)
+    on tiles and scalars; returns `results` tile values.
+
+    Each tile argument reaches `fn` as a Triton tensor laid out over the union of all tile arguments'
+    axes (in order of first appearance), with size-1 dims where an argument lacks an axis, so the
+    arguments broadcast against each other; scalars and Python numbers pass as they are. Each result
+    must broadcast to `axes` (default: that union) and is converted to `dtype` (default: the first
+    tile argument's type). Limits: no masks go in (`fn` sees whatever masked-off lanes hold, usually the
+    load's `other`); results carry the union of the arguments' masks; operands (pointers) cannot be
+    passed; `fn` must be interpretable by Triton's interpreter to run on CPU tensors."""
+    c = ctx()
+    if not (hasattr(fn, "fn") and hasattr(fn, "run")) or not callable(getattr(fn, "fn", None)):
+        raise c.error(f"triton_call needs a @triton.jit function, got {fn!r}")
+    mod = getattr(fn.fn, "__module__", None)
+    qual = getattr(fn.fn, "__qualname__", "")
+    if not mod or "." in qual or "<" in qual:
+        raise c.error(f"triton_call: {qual or fn!r} must be defined at module level of an importable module")
+    if mod.split(".")[0] in ("ops",):
+        raise c.error(f"triton_call: helpers live in user modules, not in {mod} (kernels in ops/ are DSL only)")
+    vals = [as_value(a) if isinstance(a, (Value, bool, int, float)) else a for a in args]
+    for a in vals:
+        if not isinstance(a, Value):
+            raise c.error(f"triton_call: arguments are tiles, scalars or numbers, got {type(a).__name__}")
+    tiles_ = [a for a in vals if a.axes]
+    lay = union_axes(*tiles_)
+    if axes is not None:
+        out_axes = tuple(a if isinstance(a, Axis) else a.axes[0] for a in axes)
+    else:
+        out_axes = lay
+    if not set(out_axes) <= set(lay) and lay:
+        raise c.error(f"triton_call: result axes {list(out_axes)} are not among the arguments' axes {list(lay)}")
+    if dtype is None:
+        first = tiles_[0] if tiles_ else vals[0] if vals else None
+        if first is None:
+            raise c.error("triton_call: give dtype= when no argument fixes the result type")
+        dt = first.dtype
+    else:
+        from .targets import resolve_dtype
+
+        dt = resolve_dtype(dtype, c.target)
+    masks = frozenset(m for m in union_masks(*vals) if all(a in out_axes for a in m.axes))
+    outs = [Value(dt, out_axes, masks, hint=fn.fn.__name__) for _ in range(results)]
+    c.add("triton_call", list(vals), {"module": mod, "name": fn.fn.__name__, "layout": lay}, outs)
+    return outs[0] if results == 1 else tuple(outs)
+
 
 __all__ = [n for n in dir() if not n.startswith("_")] + ["math"]

@@ -135,7 +135,136 @@ def _dce_block(block: Block, counts: dict[int, int]) -> int:
 
 
 def run_passes(root: Block, target: Target) -> dict[str, int]:
+    from .irtools import verify
+
+    verify(root, stage="trace")
     stats = {"dot_acc_fused": fuse_dot_accumulate(root)}
+    verify(root, stage="dot-accumulate fusion")
     legalize(root, target)
+    stats["cse"] = cse(root)
+    verify(root, stage="common subexpressions")
+    stats["hoisted"] = hoist_invariants(root)
+    verify(root, stage="hoisting")
     stats["dead_removed"] = dce(root)
+    verify(root, stage="dead code removal")
     return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# common subexpressions and loop-invariant values
+
+PURE = {"binary", "unary", "minmax", "where", "cast", "bitcast", "reduce", "full", "broadcast", "iota",
+        "argreduce", "scan", "math_ext", "pow", "program_id", "sort", "topk", "dot"}
+HOISTABLE = (PURE - {"dot"}) | {"range"}
+
+
+def _key(x: Any) -> Any:
+    if isinstance(x, Value):
+        return ("c", repr(x.const), x.dtype.name) if x.const is not None else ("v", id(x))
+    if isinstance(x, (list, tuple)):
+        return tuple(_key(y) for y in x)
+    if isinstance(x, (set, frozenset)):
+        return frozenset(_key(y) for y in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _key(v)) for k, v in x.items()))
+    if isinstance(x, T.DType):
+        return ("d", x.name)
+    try:
+        hash(x)
+        return (type(x).__name__, x) if not hasattr(x, "__dict__") else ("o", id(x))
+    except TypeError:
+        return ("r", repr(x))
+
+
+def _subst(x: Any, repl: dict[int, Value]) -> Any:
+    if isinstance(x, Value):
+        return repl.get(id(x), x)
+    if isinstance(x, list):
+        return [_subst(y, repl) for y in x]
+    if isinstance(x, tuple):
+        return tuple(_subst(y, repl) for y in x)
+    if isinstance(x, frozenset):
+        return frozenset(_subst(y, repl) for y in x)
+    return x
+
+
+def _subst_value(v: Value, repl: dict[int, Value]) -> None:
+    if v.masks:
+        v.masks = frozenset(repl.get(id(m), m) for m in v.masks)
+    if v.range_info is not None and isinstance(v.range_info.start, Value):
+        v.range_info.start = repl.get(id(v.range_info.start), v.range_info.start)
+
+
+def cse(root: Block) -> int:
+    """Share pure computations that repeat (same op, operands, attributes and result type/axes/masks)
+    with one that dominates them: the same block earlier, or an enclosing block."""
+    repl: dict[int, Value] = {}
+    return _cse_block(root, {}, repl)
+
+
+def _cse_block(block: Block, avail: dict[Any, Node], repl: dict[int, Value]) -> int:
+    removed = 0
+    keep = []
+    for n in block.nodes:
+        n.args = _subst(n.args, repl)
+        for r in n.results:
+            _subst_value(r, repl)
+        for k in list(n.attrs):
+            if k != "yields":
+                n.attrs[k] = _subst(n.attrs[k], repl)
+        for b in n.blocks:
+            removed += _cse_block(b, dict(avail), repl)
+        if "yields" in n.attrs:
+            n.attrs["yields"] = _subst(n.attrs["yields"], repl)
+        if n.op in PURE and not n.blocks and n.results:
+            key = (n.op, _key(n.args), _key({k: v for k, v in n.attrs.items()}),
+                   tuple((r.dtype.name, tuple(a.id for a in r.axes), frozenset(id(m) for m in r.masks))
+                         for r in n.results))
+            prev = avail.get(key)
+            if prev is not None:
+                for old, new in zip(n.results, prev.results):
+                    repl[id(old)] = new
+                removed += 1
+                continue
+            avail[key] = n
+        keep.append(n)
+    block.nodes[:] = keep
+    return removed
+
+
+def hoist_invariants(block: Block) -> int:
+    """Move pure scalar and 1-D values that do not depend on a fold's loop out of it (before the
+    loop), innermost loops first; wider tiles stay (hoisting them would lengthen register live ranges)."""
+    moved = 0
+    i = 0
+    while i < len(block.nodes):
+        n = block.nodes[i]
+        for b in n.blocks:
+            moved += hoist_invariants(b)
+        if n.op == "fold" and n.blocks:
+            out = _hoist_from(n)
+            block.nodes[i:i] = out
+            i += len(out)
+            moved += len(out)
+        i += 1
+    return moved
+
+
+def _hoist_from(fold: Node) -> list[Node]:
+    inside: set[int] = {id(fold.attrs["loopvar"])} | {id(r) for r in fold.results}
+    body = fold.blocks[0]
+    out, keep = [], []
+    for n in body.nodes:
+        ins = node_inputs(n)
+        movable = (n.op in HOISTABLE and not n.blocks and n.results and all(len(r.axes) <= 1 for r in n.results)
+                   and not any(id(v) in inside for v in ins))
+        if movable:
+            out.append(n)
+            continue
+        keep.append(n)
+        for m in [n, *(x for b in n.blocks for x in walk(b))]:
+            inside.update(id(r) for r in m.results)
+            if m.op == "fold":
+                inside.add(id(m.attrs["loopvar"]))
+    body.nodes[:] = keep
+    return out

@@ -1,0 +1,67 @@
+"""Lowerings the Triton interpreter needs for ops whose `tl` forms are `@triton.jit` library functions
+(not callable from an interpreted kernel) or backend libdevice calls (absent on the CPU): each takes and
+returns interpreter tensors and computes with numpy, with the semantics of the GPU lowering.
+
+What Triton 3.9's interpreter (an `InterpretedFunction`, as kdsl runs it) gets wrong or cannot run:
+- `tl.argmax/argmin/cumsum/sort/topk` (like `tl.sum/max/sigmoid`) are `@triton.jit` functions of
+  `triton.language.standard`: calling one raises "Cannot call @triton.jit'd outside of the scope of a
+  kernel". The emitter uses `tl.reduce` with `_argmax/_argmin_combine_tie_break_left` (patched to numpy's
+  leftmost arg-reductions) and `tl.associative_scan` with `_sum_combine` (patched to `np.cumsum`); the
+  sorting network of sort/top-k is replaced by `sort`/`topk` below (the packed keys are the GPU's).
+- `triton.language.extra.libdevice` (tanh, rint, pow) has no interpreter lowering (TypeError "cannot
+  convert None to tensor"): `tanh`, `rint`, `pow` below. `tl.math.erf` runs (math.erf per element).
+- `for i in range(...)` hands the body a Python int, so `i.to(...)` fails: the emitter casts it to i32.
+- A user `@triton.jit` helper must be wrapped as `InterpretedFunction(helper.fn)` to be called."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import triton.language as tl
+from triton.runtime.interpreter import TensorHandle
+
+
+def _wrap(data: np.ndarray, dtype: tl.dtype) -> tl.tensor:
+    data = np.ascontiguousarray(data)
+    ty = tl.block_type(dtype, list(data.shape)) if data.shape else dtype
+    return tl.core.tensor(TensorHandle(data, dtype), ty)
+
+
+def _data(t: tl.tensor) -> np.ndarray:
+    return t.handle.data
+
+
+def sort(x: tl.tensor, descending: bool) -> tl.tensor:
+    """`tl.sort(x, descending=)` along the last dim."""
+    d = np.sort(_data(x), axis=-1, kind="stable")
+    return _wrap(d[..., ::-1] if descending else d, x.dtype)
+
+
+def topk(x: tl.tensor, k: int, largest: bool) -> tl.tensor:
+    """`tl.topk(x, k, descending=largest)` along the last dim: the k extreme values, sorted."""
+    d = np.sort(_data(x), axis=-1, kind="stable")
+    d = d[..., ::-1][..., :k] if largest else d[..., :k]
+    return _wrap(d, x.dtype)
+
+
+def _f32(fn):
+    def run(x: tl.tensor) -> tl.tensor:
+        d = _data(x)
+        return _wrap(fn(d).astype(d.dtype), x.dtype)
+    return run
+
+
+tanh = _f32(np.tanh)
+rint = _f32(np.rint)  # numpy rounds half to even, as libdevice rint
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+erf = _f32(_erf)
+
+
+def pow(x: tl.tensor, y) -> tl.tensor:  # noqa: A001
+    """libdevice pow in f32 (x and y tensors or numbers, broadcast-compatible)."""
+    yd = _data(y) if isinstance(y, tl.tensor) else np.float32(y)
+    xd = _data(x) if isinstance(x, tl.tensor) else np.float32(x)
+    with np.errstate(all="ignore"):
+        d = np.power(xd.astype(np.float32), np.asarray(yd, dtype=np.float32))
+    shape = np.broadcast_shapes(xd.shape, np.shape(yd))
+    return _wrap(np.broadcast_to(d, shape).astype(np.float32), tl.float32)
