@@ -56,28 +56,65 @@ class Emitter:
         """Expression for `v` laid out over `axes` (permuted, with None for broadcast dims)."""
         if not isinstance(v, Value) or v.const is not None or not v.axes:
             return self.ref(v)
-        missing = [a for a in v.axes if a not in axes]
+        return self._align(v.name, v.axes, axes)
+
+    def _align(self, expr: str, vaxes: tuple[Axis, ...], axes: tuple[Axis, ...]) -> str:
+        """`expr` (a name over `vaxes`) laid out over `axes`."""
+        if not vaxes:
+            return expr
+        missing = [a for a in vaxes if a not in axes]
         if missing:
-            raise self.c.error(f"value {v.name} has axes {missing} that the context {list(axes)} lacks")
-        present = [a for a in axes if a in v.axes]
-        expr = v.name
-        if present != list(v.axes):
-            perm = [v.axes.index(a) for a in present]
+            raise self.c.error(f"value {expr} has axes {missing} that the context {list(axes)} lacks")
+        present = [a for a in axes if a in vaxes]
+        if present != list(vaxes):
+            perm = [vaxes.index(a) for a in present]
             expr = f"tl.trans({expr})" if len(perm) == 2 else f"tl.permute({expr}, {tuple(perm)})"
         if len(present) != len(axes):
-            expr += "[" + ", ".join(":" if a in v.axes else "None" for a in axes) + "]"
+            expr += "[" + ", ".join(":" if a in vaxes else "None" for a in axes) + "]"
         return expr
 
     def shape(self, axes: tuple[Axis, ...]) -> str:
         return "(" + ", ".join(str(a.size) for a in axes) + ("," if len(axes) == 1 else "") + ")"
 
-    def mask_expr(self, masks: Any, extra: Value | None, axes: tuple[Axis, ...]) -> str | None:
+    def mask_expr(self, masks: Any, extra: Value | None, axes: tuple[Axis, ...],
+                  bounds: list[str] | None = None) -> str | None:
         parts = [self.aligned(m, axes) for m in sorted(masks, key=lambda m: m.name)]
         if extra is not None:
             parts.append(self.aligned(extra, axes))
+        parts += bounds or []
         if not parts:
             return None
         return " & ".join(f"({p})" if " " in p else p for p in parts)
+
+    def bound_exprs(self, n: Node, h: OperandHandle, ivals: list[Any], axes: tuple[Axis, ...],
+                    skip: int | None = None) -> list[str]:
+        """Emit the checks `0 <= index < dim` the bounds pass asked for (indices computed from
+        loaded data) and return them laid out over the access axes, for the access mask."""
+        out = []
+        for pos, dname, lo, hi in n.attrs.get("bounds", ()):
+            if pos == skip:
+                continue
+            i = ivals[pos]
+            src = self.ref(i)
+            if not i.axes and axes and getattr(self.target, "backend", None) == "interpret":
+                # the interpreter cannot mix a scalar bool into a vector mask: compare a vector
+                vec = self.fresh("iv")
+                self.w(f"{vec} = {src} + tl.full({self.shape(axes)}, 0, {tl_type(i.dtype)})")
+                src, vaxes = vec, axes
+            else:
+                vaxes = i.axes
+            dv = self.ref(self.c.dims[dname])
+            if lo and hi:  # one unsigned compare: a negative index wraps to a huge one
+                u = "uint64" if i.dtype.bits == 64 else "uint32"
+                conds = [f"({src}.to(tl.{u}, bitcast=True) < {dv})"]
+            else:
+                conds = [f"({src} >= 0)"] if lo else [f"({src} < {dv})"]
+            rule = f"in [0, {dv})" if lo and hi else (f">= 0 (a remainder by {dv})" if lo else f"< {dv} (unsigned)")
+            b = self.fresh("inb")
+            self.w(f"{b} = {' & '.join(conds)}  # bounded gather: {h.name} index {pos} (dim {dname}) "
+                   f"comes from loaded data, must be {rule}")
+            out.append(self._align(b, vaxes, axes))
+        return out
 
     def offsets(self, h: OperandHandle, ivals: list[Any], axes: tuple[Axis, ...], last_override: str | None = None) -> str:
         terms = []
@@ -269,7 +306,7 @@ class Emitter:
         h, ivals, masks, extra = n.args
         r = n.results[0]
         ptr = f"{h.name}_ptr + {self._paren(self.offsets(h, ivals, r.axes))}"
-        m = self.mask_expr(masks, extra, r.axes)
+        m = self.mask_expr(masks, extra, r.axes, self.bound_exprs(n, h, ivals, r.axes))
         if m is None:
             self.w(f"{r.name} = tl.load({ptr})")
         else:
@@ -302,6 +339,10 @@ class Emitter:
         kdim = h.spec.dims[-1]
         kval = self.c.dims[kdim]
         parts.append(f"{kw_al} < {self._paren(self.ref(kval))} // 8")
+        last = [b for b in n.attrs.get("bounds", ()) if b[0] == len(ivals) - 1]
+        if last:  # a packed index from loaded data: the word mask above is its upper bound
+            parts.append(f"{kw_al} >= 0")
+        parts += self.bound_exprs(n, h, ivals, waxes, skip=len(ivals) - 1)
         words = self.fresh("words")
         wmask = " & ".join(f"({p})" for p in parts)
         self.w(f"{words} = tl.load({h.name}_ptr + {self._paren(offs)}, mask={wmask}, other=0)")
@@ -352,7 +393,7 @@ class Emitter:
         axes = n.attrs["axes"]
         ptr = f"{h.name}_ptr + {self._paren(self.offsets(h, ivals, axes))}"
         v = self.aligned(value, axes)
-        m = self.mask_expr(masks, extra, axes)
+        m = self.mask_expr(masks, extra, axes, self.bound_exprs(n, h, ivals, axes))
         sem = ', sem="relaxed"' if fn == "atomic_add" else ""
         mk = "" if m is None else f", mask={m}"
         self.w(f"tl.{fn}({ptr}, {v}{mk}{sem})")

@@ -201,7 +201,7 @@ class Kernel:
         if sp is not None:
             return sp
         c = self._trace(target, full_tun, static)
-        stats = run_passes(c.root, target)
+        stats = run_passes(c.root, target, c.dims)
         full_tun = {n: c.config.get(n, s.default) for n, s in c.tunables.items()}
         header = [f"kdsl kernel {self.name} for {target.name}",
                   f"source: {inspect.getsourcefile(self.fn)}:{inspect.getsourcelines(self.fn)[1]}",
