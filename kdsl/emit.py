@@ -116,7 +116,10 @@ class Emitter:
             out.append(self._align(b, vaxes, axes))
         return out
 
-    def offsets(self, h: OperandHandle, ivals: list[Any], axes: tuple[Axis, ...], last_override: str | None = None) -> str:
+    def offsets(self, h: OperandHandle, ivals: list[Any], axes: tuple[Axis, ...], last_override: str | None = None,
+                wide: list[str] | None = None) -> str:
+        """The 32-bit offset sum; with `wide` given, the 64-bit terms of the operand's wide dims go
+        there instead (see `address`)."""
         terms = []
         n = len(ivals)
         for d, (i, s) in enumerate(zip(ivals, h.strides)):
@@ -127,8 +130,20 @@ class Emitter:
             if isinstance(i, int) and i == 0 and last_override is None:
                 continue
             stride = self.ref(s)
-            terms.append(e if stride == "1" else f"{self._paren(e)} * {stride}")
+            if wide is not None and d in h.wide:  # a 64-bit product: offsets along d pass 2^31 elements
+                wide.append(f"{self._paren(e)} * tl.cast({stride}, tl.int64)")
+            else:
+                terms.append(e if stride == "1" else f"{self._paren(e)} * {stride}")
         return " + ".join(terms) if terms else "0"
+
+    def address(self, h: OperandHandle, ivals: list[Any], axes: tuple[Axis, ...], last_override: str | None = None) -> str:
+        """`ptr + (offsets)`. For an operand with 64-bit dims: `ptr + wide terms + (32-bit sum)`, so
+        the 64-bit products move the base pointer (per row for a gathered page) and the tile's own
+        offsets stay 32-bit pointer increments that the compiler can still vectorize."""
+        wide: list[str] = []
+        narrow = self.offsets(h, ivals, axes, last_override, wide if h.wide else None)
+        head = "".join(f"({w}) + " for w in wide)
+        return f"{h.name}_ptr + {head}{self._paren(narrow)}"
 
     @staticmethod
     def _paren(e: str) -> str:
@@ -302,11 +317,40 @@ class Emitter:
         acc_s = f", acc={self.aligned(acc, (i, j))}" if acc is not None else f", out_dtype={out}"
         self.w(f"{r.name} = tl.dot({A}, {B}{acc_s}{extra})")
 
+    def clamped_indices(self, n: Node, h: OperandHandle, ivals: list[Any]) -> list[Any]:
+        """For a load whose bounds clamp (see passes.bound_gathers): the indices with each bounded
+        one replaced by a name holding it clamped into [0, dim)."""
+        out = list(ivals)
+        for pos, dname, lo, hi in n.attrs["bounds"]:
+            i = ivals[pos]
+            src, dv = self.ref(i), self.ref(self.c.dims[dname])
+            if lo and hi:  # unsigned min: a negative index wraps to a huge one, then to dim - 1
+                u = "uint64" if i.dtype.bits == 64 else "uint32"
+                expr = (f"tl.minimum({src}.to(tl.{u}, bitcast=True), {self._paren(dv)} - 1)"
+                        f".to({tl_type(i.dtype)}, bitcast=True)")
+                rule = f"clamped into [0, {dv})"
+            elif lo:
+                expr, rule = f"tl.maximum({src}, 0)", f"clamped to >= 0 (a remainder by {dv})"
+            else:
+                expr, rule = f"tl.minimum({src}, {self._paren(dv)} - 1)", f"clamped to < {dv} (unsigned)"
+            name = self.fresh("inb")
+            self.w(f"{name} = {expr}  # bounded gather: {h.name} index {pos} (dim {dname}) comes from loaded "
+                   f"data, {rule}: the entry read is only used as a bounded index")
+            v = Value(i.dtype, i.axes, hint="inb")
+            v.name = name
+            out[pos] = v
+        return out
+
     def op_load(self, n: Node) -> None:
         h, ivals, masks, extra = n.args
         r = n.results[0]
-        ptr = f"{h.name}_ptr + {self._paren(self.offsets(h, ivals, r.axes))}"
-        m = self.mask_expr(masks, extra, r.axes, self.bound_exprs(n, h, ivals, r.axes))
+        if n.attrs.get("bound_mode") == "clamp":
+            ivals = self.clamped_indices(n, h, ivals)
+            bounds: list[str] = []
+        else:
+            bounds = self.bound_exprs(n, h, ivals, r.axes)
+        ptr = self.address(h, ivals, r.axes)
+        m = self.mask_expr(masks, extra, r.axes, bounds)
         if m is None:
             self.w(f"{r.name} = tl.load({ptr})")
         else:
@@ -331,7 +375,7 @@ class Emitter:
         base = "" if st == "0" else f"{self._paren(st)} // 8 + "
         self.w(f"{kw} = {base}tl.arange(0, {size // 8})")
         kw_al = kw + "[" + ", ".join("None" for _ in waxes[:-1]) + (", :]" if len(waxes) > 1 else ":]")
-        offs = self.offsets(h, ivals, waxes, last_override=kw_al)
+        addr = self.address(h, ivals, waxes, last_override=kw_al)
         keep = frozenset(m for m in masks if kax not in m.axes)
         parts = [self.aligned(m, waxes) for m in sorted(keep, key=lambda m: m.name)]
         if extra is not None:
@@ -345,7 +389,7 @@ class Emitter:
         parts += self.bound_exprs(n, h, ivals, waxes, skip=len(ivals) - 1)
         words = self.fresh("words")
         wmask = " & ".join(f"({p})" for p in parts)
-        self.w(f"{words} = tl.load({h.name}_ptr + {self._paren(offs)}, mask={wmask}, other=0)")
+        self.w(f"{words} = tl.load({addr}, mask={wmask}, other=0)")
         if n.attrs.get("unpack", "shift") == "bfe":
             self._int4_bfe(r, words, waxes, pack)
             return
@@ -391,7 +435,7 @@ class Emitter:
     def _store_like(self, n: Node, fn: str) -> None:
         h, ivals, masks, extra, value = n.args
         axes = n.attrs["axes"]
-        ptr = f"{h.name}_ptr + {self._paren(self.offsets(h, ivals, axes))}"
+        ptr = self.address(h, ivals, axes)
         v = self.aligned(value, axes)
         m = self.mask_expr(masks, extra, axes, self.bound_exprs(n, h, ivals, axes))
         sem = ', sem="relaxed"' if fn == "atomic_add" else ""

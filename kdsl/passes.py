@@ -188,12 +188,39 @@ def _implied_bounds(v: Value, dim: str, dim_value: Any) -> tuple[bool, bool]:
     return lo, hi
 
 
+def _index_only(root: Block) -> set[int]:
+    """ids of the values whose every use is as an index of a memory access (a page-table entry
+    that only addresses the cache, for instance), never as data, a mask or loop state."""
+    index_use: set[int] = set()
+    other_use: set[int] = set()
+    for n in walk(root):
+        if n.op in MEMORY_OPS:
+            for i in n.args[1]:
+                if isinstance(i, Value):
+                    index_use.add(id(i))
+            rest: list[Any] = [n.args[2], n.args[3]] + n.args[4:]
+        else:
+            rest = list(n.args) + [n.attrs.get("yields", [])]
+        for v in _values_in(rest):
+            other_use.add(id(v))
+            other_use.update(id(m) for m in v.masks)
+    return index_use - other_use
+
+
 def bound_gathers(root: Block, dims: dict[str, Any]) -> int:
     """Mark every memory access whose index along some dim comes from loaded data with the bound
     `0 <= index < dim` (attrs["bounds"]: (position, dim name, check lower, check upper)); the
     emitter adds the compare to the access mask, so an out-of-range lane reads `other` and a
-    store or atomic drops it. Returns the number of bounded indices."""
+    store or atomic drops it.
+
+    One exception keeps a table read cheap: a load from an `In` operand whose result is used only
+    as an index of other (bounded) accesses, a page table read say, gets its index clamped into
+    the dim instead (attrs["bound_mode"] = "clamp": an unsigned min, no extra mask term, which in
+    the decode loops is what keeps the AMD kernels within their scalar registers). Such a lane
+    reads an entry of the same table, which is itself bounded where it is used; the launch refuses
+    an empty dim there (`Specialization.clamped`). Returns the number of bounded indices."""
     taint = tainted_values(root)
+    index_only = _index_only(root)
     count = 0
     for n in walk(root):
         if n.op not in MEMORY_OPS:
@@ -209,7 +236,16 @@ def bound_gathers(root: Block, dims: dict[str, Any]) -> int:
         if bounds:
             n.attrs["bounds"] = bounds
             count += len(bounds)
+            if (n.op == "load" and h.spec.kind == "in" and n.results and id(n.results[0]) in index_only
+                    and (not h.is_int4)):
+                n.attrs["bound_mode"] = "clamp"
     return count
+
+
+def clamped_dims(root: Block) -> set[tuple[str, str]]:
+    """(operand, dim) pairs read through a clamped index: such a dim must not be empty at launch."""
+    return {(n.args[0].name, b[1]) for n in walk(root) if n.attrs.get("bound_mode") == "clamp"
+            for b in n.attrs["bounds"]}
 
 
 def run_passes(root: Block, target: Target, dims: dict[str, Any] | None = None) -> dict[str, int]:
