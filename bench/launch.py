@@ -12,11 +12,12 @@ specialization from scratch: the path before launchers were cached), so one run 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -80,13 +81,26 @@ class _Stub:
         _Stub.calls += 1
 
 
-def _stub_kernels() -> None:
-    """Replace every specialization's compiled function with the stub (before and after launch
-    caching, a launch reaches the compiled function through `Specialization.fn`)."""
+@contextlib.contextmanager
+def _stubbed() -> Iterator[None]:
+    """Inside the block every specialization's compiled function is the stub (before and after
+    launch caching, a launch reaches it through `Specialization.fn`). On exit the real one is back
+    and the launchers bound to the stub are dropped."""
     kk = importlib.import_module("kdsl.kernel")
-
     stub = _Stub()
+    saved = kk.Specialization.__dict__["fn"]
+
+    def drop_launchers() -> None:
+        for k in list(kk.REGISTRY.values()):
+            k._launchers.clear()
+
+    drop_launchers()
     kk.Specialization.fn = property(lambda self: stub)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        kk.Specialization.fn = saved  # type: ignore[assignment]
+        drop_launchers()
 
 
 def _set_cache(enabled: bool) -> bool:
@@ -124,19 +138,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.n < 1 or args.rounds < 1:
         print(f"bench.launch: {'-n' if args.n < 1 else '--rounds'} must be >= 1", file=sys.stderr)
         return 2
-    _stub_kernels()
     has_cache = _set_cache(True)
     rows: dict[str, dict[str, float]] = {}
-    for label, make in _problems():
-        k, a, cfg = make()
-        row: dict[str, float] = {}
-        if has_cache:
-            _set_cache(False)
-        row["uncached_us"] = measure(k, a, cfg, args.n, args.rounds)
-        if has_cache and not args.no_cache:
+    with _stubbed():
+        try:
+            for label, make in _problems():
+                k, a, cfg = make()
+                row: dict[str, float] = {}
+                if has_cache:
+                    _set_cache(False)
+                row["uncached_us"] = measure(k, a, cfg, args.n, args.rounds)
+                if has_cache and not args.no_cache:
+                    _set_cache(True)
+                    row["cached_us"] = measure(k, a, cfg, args.n, args.rounds)
+                rows[label] = row
+        finally:
             _set_cache(True)
-            row["cached_us"] = measure(k, a, cfg, args.n, args.rounds)
-        rows[label] = row
     if args.json:
         print(json.dumps(rows))
         return 0
