@@ -92,7 +92,7 @@ def _stubbed() -> Iterator[None]:
 
     def drop_launchers() -> None:
         for k in list(kk.REGISTRY.values()):
-            k._launchers.clear()
+            getattr(k, "_launchers", {}).clear()
 
     drop_launchers()
     kk.Specialization.fn = property(lambda self: stub)  # type: ignore[assignment]

@@ -35,10 +35,14 @@ def wide_dims(shape: Iterable[int], strides: Iterable[int]) -> tuple[int, ...]:
     """The dims whose offset terms must be 64-bit: none while the largest reachable offset fits
     in i32 (< 2^31); else the dims with the largest reach, fewest first, until the other terms' sum fits
     (those stay 32-bit and are summed before the one widening add)."""
-    reach = [((n - 1) * abs(s), i) for i, (n, s) in enumerate(zip(shape, strides))]
-    if any(n == 0 for n in shape):
+    rest = 0
+    for n, s in zip(shape, strides):
+        if n == 0:
+            return ()
+        rest += (n - 1) * (s if s >= 0 else -s)
+    if rest < I32_SPAN:  # the common case, decided without building the list below
         return ()
-    rest = sum(r for r, _ in reach)
+    reach = [((n - 1) * abs(s), i) for i, (n, s) in enumerate(zip(shape, strides))]
     out = []
     for r, i in sorted(reach, reverse=True):
         if rest < I32_SPAN:  # the largest offset fits in i32
@@ -123,6 +127,7 @@ class Kernel:
         self._specs: dict[Any, Specialization] = {}
         self._launchers: dict[tuple, Callable[[tuple], Specialization]] = {}
         self._launch_key = _launch_key_fn(self.signature)
+        self._last: tuple[Any, Any] = (None, None)  # (key, launcher) of the last cached launch
         self._tunable_cache: dict[Any, dict[str, TunableSpec]] = {}
         if self.name in REGISTRY and REGISTRY[self.name].fn.__code__ is not fn.__code__:
             raise ConfigError(self.name, None, "a different kernel with this name is already registered")
@@ -242,13 +247,16 @@ class Kernel:
         if wide is None:
             dims = dims if dims is not None else (_PROBLEM[-1] if _PROBLEM else None)
             wide = self.wide_operands(dims) if dims else {}
-        if not isinstance(wide, dict):
-            wide = {n: range(len(self.signature.operands[n].dims)) if n in self.signature.operands else ()
-                    for n in wide}
-        for n in wide:
-            if n not in self.signature.operands:
-                raise ConfigError(self.name, n, "wide (64-bit offset) names must be operands")
-        wide = {n: tuple(sorted(set(v))) for n, v in wide.items() if v}
+        if wide:
+            if not isinstance(wide, dict):
+                wide = {n: range(len(self.signature.operands[n].dims)) if n in self.signature.operands else ()
+                        for n in wide}
+            for n in wide:
+                if n not in self.signature.operands:
+                    raise ConfigError(self.name, n, "wide (64-bit offset) names must be operands")
+            wide = {n: tuple(sorted(set(v))) for n, v in wide.items() if v}
+        else:
+            wide = {}
         static = self._static_values(static)
         config = dict(config or {})
         tun_specs = self.tunables(target, static)
@@ -408,10 +416,12 @@ class Kernel:
                 if kwargs:
                     args, kwargs = self._positional(args, kwargs), {}
                 key = self._launch_key(args, config, target)
-                run = self._launchers.get(key)
+                last = self._last  # a kernel launched again with its last shapes: no hashing
+                run = last[1] if last[0] == key else self._launchers.get(key)
             except Exception:  # not what a launch takes: the full path below says what is wrong
                 key = None
         if run is not None:
+            self._last = (key, run)
             return run(args)
         return self._launch(args, kwargs, config, target, key)
 
@@ -436,10 +446,11 @@ class Kernel:
         sp = self.specialize(config, tgt, static, wide=self.wide_from_tensors(bound))
         grid = self.grid_for(sp, dims)
         if key is not None:
-            run = _bound_launcher(sp, grid, bound, dims, self.signature.order)
+            run = _bound_launcher(self, key, sp, grid, bound, dims, self.signature.order)
             if len(self._launchers) >= LAUNCH_CACHE["max_entries"]:
                 self._launchers.clear()
             self._launchers[key] = run
+            self._last = (key, run)
             return run(tuple(bound[n] for n in self.signature.order))
         if 0 in grid:
             return sp
@@ -489,22 +500,49 @@ def _launch_key_fn(sig: T.Signature) -> Callable[[tuple, Any, Any], tuple]:
     return ns["key"]
 
 
-def _bound_launcher(sp: Specialization, grid: tuple[int, ...], bound: dict[str, Any], dims: dict[str, int],
-                    order: list[str]) -> Callable[[tuple], Specialization]:
-    """run(args) for one launch shape of a specialization: every stride and dim is a constant of
-    the generated call, so a launch only passes this call's tensors and scalars."""
+def _bound_launcher(kernel: "Kernel", key: tuple, sp: Specialization, grid: tuple[int, ...],
+                    bound: dict[str, Any], dims: dict[str, int], order: list[str]) -> Callable[[tuple], Specialization]:
+    """run(args) for one launch shape of a specialization: every stride and dim is a constant, so a
+    launch only passes this call's tensors and scalars. The first version fills a template; a key
+    launched again gets a generated function with the constants inlined (one call, no loop), built
+    then so that shapes seen once do not pay for generating it."""
     if 0 in grid:
         return lambda a: sp
     pos = {n: i for i, n in enumerate(order)}
-    exprs = []
+    tmpl: list[Any] = []
+    fill: list[tuple[int, int]] = []
     for pname, _ in sp.params:
         kind, ref, i = sp.sources[pname]
         if kind == "ptr" or kind == "scalar":
-            exprs.append(f"a[{pos[ref]}]")
+            fill.append((len(tmpl), pos[ref]))
+            tmpl.append(None)
         else:
-            exprs.append(repr(int(bound[ref].stride(i) if kind == "stride" else dims[ref])))
-    ns: dict[str, Any] = {"_fn": sp.fn[grid], "_opts": backend_options(sp.kernel.name, sp.target, sp.options),
-                          "_sp": sp}
+            tmpl.append(int(bound[ref].stride(i) if kind == "stride" else dims[ref]))
+    fn = sp.fn[grid]
+    opts = backend_options(sp.kernel.name, sp.target, sp.options)
+    uses = [0]
+
+    def run(a: tuple) -> Specialization:
+        flat = tmpl.copy()
+        for fi, ai in fill:
+            flat[fi] = a[ai]
+        fn(*flat, **opts)
+        uses[0] += 1
+        if uses[0] == 2 and kernel._launchers.get(key) is run:
+            fast = _inlined(fn, opts, sp, tmpl, dict(fill))
+            kernel._launchers[key] = fast
+            if kernel._last[1] is run:
+                kernel._last = (key, fast)
+        return sp
+
+    return run
+
+
+def _inlined(fn: Any, opts: dict[str, Any], sp: Specialization, tmpl: list[Any], fill: dict[int, int]
+             ) -> Callable[[tuple], Specialization]:
+    """The launcher as one generated call: constants inlined, arguments picked by position."""
+    exprs = [f"a[{fill[j]}]" if j in fill else repr(v) for j, v in enumerate(tmpl)]
+    ns: dict[str, Any] = {"_fn": fn, "_opts": opts, "_sp": sp}
     exec(f"def run(a):\n    _fn({''.join(e + ', ' for e in exprs)}**_opts)\n    return _sp\n", ns)
     return ns["run"]
 
