@@ -96,3 +96,31 @@ def test_empty_page_table_is_refused_where_it_is_read() -> None:
     args[2] = torch.empty(1, 0, dtype=torch.int32, device="meta")
     with kd.recording("gfx942"), pytest.raises(kd.LaunchError, match=r"'block_table'.*dim MP is 0"):
         mla.mla_decode_split(*args)
+
+
+def test_64bit_code_computes_the_same(monkeypatch) -> None:
+    """With the 64-bit threshold lowered, small operands take the 64-bit specialization on the
+    interpreter: same results as the 32-bit code, bit for bit."""
+    import importlib
+
+    from tests.test_mla import _setup
+
+    kk = importlib.import_module("kdsl.kernel")
+    q, kv, bt, lens = _setup([9, 20], 2, seed=5)
+    B, QL, H, DQ = q.shape
+    DL, S = 32, 2
+
+    def run():
+        part, lse = torch.full((B, QL, H, S, DL), float("nan")), torch.full((B, QL, H, S), float("nan"))
+        sp = mla.mla_decode_split(q, kv, bt, lens, part, lse, 0.25, QL * H, DQ - DL, config={"BLOCK_N": 16})
+        return sp, part, lse
+
+    sp32, part32, lse32 = run()
+    monkeypatch.setattr(kk, "I32_SPAN", 1024)  # kv has 10 x 8 x 48 elements: now "past" the limit
+    mla.mla_decode_split._launchers.clear()      # launchers cached under the real limit
+    mla.mla_decode_split._last = (None, None)
+    sp64, part64, lse64 = run()
+    mla.mla_decode_split._launchers.clear()
+    mla.mla_decode_split._last = (None, None)
+    assert sp32.wide == {} and "kv" in sp64.wide and "tl.int64" in sp64.source
+    assert torch.equal(part32, part64) and torch.equal(lse32, lse64)
