@@ -381,6 +381,8 @@ class Kernel:
         out = {}
         for pname in self.signature.operands:
             t = bound[pname]
+            if t.numel() < I32_SPAN and t.is_contiguous():  # the common case: the span is the numel
+                continue
             w = wide_dims(t.shape, t.stride())
             if w:
                 out[pname] = w
