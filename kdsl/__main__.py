@@ -132,23 +132,27 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError("--arch", _line(str(e)).removeprefix("kdsl: ")) from None
     cfg, problem = parse_config(args.config), check_problem(k, parse_kv(args.problem))
+    from .kernel import problem_dims
+
+    full = {**k.example, **problem}  # sizes the operands: 64-bit offsets where a span reaches 2^31
+    static = {d: v for d, v in full.items() if d in k.static}
     if args.emit == "triton":
-        static = {d: v for d, v in {**k.example, **problem}.items() if d in k.static}
-        print(k.source(cfg, target, static), end="")
+        print(k.source(cfg, target, static, dims=full), end="")
         return 0
     if args.emit == "ir":
         from .irtools import kernel_ir
 
-        static = {d: v for d, v in {**k.example, **problem}.items() if d in k.static}
         print(kernel_ir(k, cfg, target, static), end="")
         return 0
     if target.backend == "interpret":
         raise UsageError("--arch", "interpret has no assembly or report; use --arch gfx942|gfx950|sm90")
     if args.emit in ("asm", "ttgir", "llir"):
         stage = None if args.emit == "asm" else args.emit
-        print(aot.asm(k, target, cfg, problem, stage))
+        with problem_dims(full):
+            print(aot.asm(k, target, cfg, problem, stage))
         return 0
-    r = aot.report(k, target, cfg, problem, strict=args.strict)
+    with problem_dims(full):
+        r = aot.report(k, target, cfg, problem, strict=args.strict)
     print(json.dumps(r.to_dict(), indent=None if args.json else 2) if args.json else r.text())
     return 0 if r.ok else 1
 

@@ -56,31 +56,71 @@ class Emitter:
         """Expression for `v` laid out over `axes` (permuted, with None for broadcast dims)."""
         if not isinstance(v, Value) or v.const is not None or not v.axes:
             return self.ref(v)
-        missing = [a for a in v.axes if a not in axes]
+        return self._align(v.name, v.axes, axes)
+
+    def _align(self, expr: str, vaxes: tuple[Axis, ...], axes: tuple[Axis, ...]) -> str:
+        """`expr` (a name over `vaxes`) laid out over `axes`."""
+        if not vaxes:
+            return expr
+        missing = [a for a in vaxes if a not in axes]
         if missing:
-            raise self.c.error(f"value {v.name} has axes {missing} that the context {list(axes)} lacks",
+            raise self.c.error(f"value {expr} has axes {missing} that the context {list(axes)} lacks",
                                loc=getattr(self, "cur_loc", None))
-        present = [a for a in axes if a in v.axes]
-        expr = v.name
-        if present != list(v.axes):
-            perm = [v.axes.index(a) for a in present]
+        present = [a for a in axes if a in vaxes]
+        if present != list(vaxes):
+            perm = [vaxes.index(a) for a in present]
             expr = f"tl.trans({expr})" if len(perm) == 2 else f"tl.permute({expr}, {tuple(perm)})"
         if len(present) != len(axes):
-            expr += "[" + ", ".join(":" if a in v.axes else "None" for a in axes) + "]"
+            expr += "[" + ", ".join(":" if a in vaxes else "None" for a in axes) + "]"
         return expr
 
     def shape(self, axes: tuple[Axis, ...]) -> str:
         return "(" + ", ".join(str(a.size) for a in axes) + ("," if len(axes) == 1 else "") + ")"
 
-    def mask_expr(self, masks: Any, extra: Value | None, axes: tuple[Axis, ...]) -> str | None:
+    def mask_expr(self, masks: Any, extra: Value | None, axes: tuple[Axis, ...],
+                  bounds: list[str] | None = None) -> str | None:
         parts = [self.aligned(m, axes) for m in sorted(masks, key=lambda m: m.name)]
         if extra is not None:
             parts.append(self.aligned(extra, axes))
+        parts += bounds or []
         if not parts:
             return None
         return " & ".join(f"({p})" if " " in p else p for p in parts)
 
-    def offsets(self, h: OperandHandle, ivals: list[Any], axes: tuple[Axis, ...], last_override: str | None = None) -> str:
+    def bound_exprs(self, n: Node, h: OperandHandle, ivals: list[Any], axes: tuple[Axis, ...],
+                    skip: int | None = None) -> list[str]:
+        """Emit the checks `0 <= index < dim` the bounds pass asked for (indices computed from
+        loaded data) and return them laid out over the access axes, for the access mask."""
+        out = []
+        for pos, dname, lo, hi in n.attrs.get("bounds", ()):
+            if pos == skip:
+                continue
+            i = ivals[pos]
+            src = self.ref(i)
+            if not i.axes and axes and getattr(self.target, "backend", None) == "interpret":
+                # the interpreter cannot mix a scalar bool into a vector mask: compare a vector
+                vec = self.fresh("iv")
+                self.w(f"{vec} = {src} + tl.full({self.shape(axes)}, 0, {tl_type(i.dtype)})")
+                src, vaxes = vec, axes
+            else:
+                vaxes = i.axes
+            dv = self.ref(self.c.dims[dname])
+            if lo and hi:  # one unsigned compare: a negative index wraps to a huge one
+                u = "uint64" if i.dtype.bits == 64 else "uint32"
+                conds = [f"({src}.to(tl.{u}, bitcast=True) < {dv})"]
+            else:
+                conds = [f"({src} >= 0)"] if lo else [f"({src} < {dv})"]
+            rule = f"in [0, {dv})" if lo and hi else (f">= 0 (a remainder by {dv})" if lo else f"< {dv} (unsigned)")
+            b = self.fresh("inb")
+            self.w(f"{b} = {' & '.join(conds)}  # bounded gather: {h.name} index {pos} (dim {dname}) "
+                   f"comes from loaded data, must be {rule}")
+            out.append(self._align(b, vaxes, axes))
+        return out
+
+    def offsets(self, h: OperandHandle, ivals: list[Any], axes: tuple[Axis, ...], last_override: str | None = None,
+                wide: list[str] | None = None) -> str:
+        """The 32-bit offset sum; with `wide` given, the 64-bit terms of the operand's wide dims go
+        there instead (see `address`)."""
         terms = []
         n = len(ivals)
         for d, (i, s) in enumerate(zip(ivals, h.strides)):
@@ -91,8 +131,20 @@ class Emitter:
             if isinstance(i, int) and i == 0 and last_override is None:
                 continue
             stride = self.ref(s)
-            terms.append(e if stride == "1" else f"{self._paren(e)} * {stride}")
+            if wide is not None and d in h.wide:  # a 64-bit product: offsets along d pass 2^31 elements
+                wide.append(f"{self._paren(e)} * tl.cast({stride}, tl.int64)")
+            else:
+                terms.append(e if stride == "1" else f"{self._paren(e)} * {stride}")
         return " + ".join(terms) if terms else "0"
+
+    def address(self, h: OperandHandle, ivals: list[Any], axes: tuple[Axis, ...], last_override: str | None = None) -> str:
+        """`ptr + (offsets)`. For an operand with 64-bit dims: `ptr + wide terms + (32-bit sum)`, so
+        the 64-bit products move the base pointer (per row for a gathered page) and the tile's own
+        offsets stay 32-bit pointer increments that the compiler can still vectorize."""
+        wide: list[str] = []
+        narrow = self.offsets(h, ivals, axes, last_override, wide if h.wide else None)
+        head = "".join(f"({w}) + " for w in wide)
+        return f"{h.name}_ptr + {head}{self._paren(narrow)}"
 
     @staticmethod
     def _paren(e: str) -> str:
@@ -276,11 +328,40 @@ class Emitter:
         acc_s = f", acc={self.aligned(acc, (i, j))}" if acc is not None else f", out_dtype={out}"
         self.w(f"{r.name} = tl.dot({A}, {B}{acc_s}{extra})")
 
+    def clamped_indices(self, n: Node, h: OperandHandle, ivals: list[Any]) -> list[Any]:
+        """For a load whose bounds clamp (see passes.bound_gathers): the indices with each bounded
+        one replaced by a name holding it clamped into [0, dim)."""
+        out = list(ivals)
+        for pos, dname, lo, hi in n.attrs["bounds"]:
+            i = ivals[pos]
+            src, dv = self.ref(i), self.ref(self.c.dims[dname])
+            if lo and hi:  # unsigned min: a negative index wraps to a huge one, then to dim - 1
+                u = "uint64" if i.dtype.bits == 64 else "uint32"
+                expr = (f"tl.minimum({src}.to(tl.{u}, bitcast=True), {self._paren(dv)} - 1)"
+                        f".to({tl_type(i.dtype)}, bitcast=True)")
+                rule = f"clamped into [0, {dv})"
+            elif lo:
+                expr, rule = f"tl.maximum({src}, 0)", f"clamped to >= 0 (a remainder by {dv})"
+            else:
+                expr, rule = f"tl.minimum({src}, {self._paren(dv)} - 1)", f"clamped to < {dv} (unsigned)"
+            name = self.fresh("inb")
+            self.w(f"{name} = {expr}  # bounded gather: {h.name} index {pos} (dim {dname}) comes from loaded "
+                   f"data, {rule}: the entry read is only used as a bounded index")
+            v = Value(i.dtype, i.axes, hint="inb")
+            v.name = name
+            out[pos] = v
+        return out
+
     def op_load(self, n: Node) -> None:
         h, ivals, masks, extra = n.args
         r = n.results[0]
-        ptr = f"{h.name}_ptr + {self._paren(self.offsets(h, ivals, r.axes))}"
-        m = self.mask_expr(masks, extra, r.axes)
+        if n.attrs.get("bound_mode") == "clamp":
+            ivals = self.clamped_indices(n, h, ivals)
+            bounds: list[str] = []
+        else:
+            bounds = self.bound_exprs(n, h, ivals, r.axes)
+        ptr = self.address(h, ivals, r.axes)
+        m = self.mask_expr(masks, extra, r.axes, bounds)
         if m is None:
             self.w(f"{r.name} = tl.load({ptr})")
         else:
@@ -306,7 +387,7 @@ class Emitter:
         base = "" if st == "0" else f"{self._paren(st)} // 8 + "
         self.w(f"{kw} = {base}tl.arange(0, {size // 8})")
         kw_al = kw + "[" + ", ".join("None" for _ in waxes[:-1]) + (", :]" if len(waxes) > 1 else ":]")
-        offs = self.offsets(h, ivals, waxes, last_override=kw_al)
+        addr = self.address(h, ivals, waxes, last_override=kw_al)
         keep = frozenset(m for m in masks if kax not in m.axes)
         parts = [self.aligned(m, waxes) for m in sorted(keep, key=lambda m: m.name)]
         if extra is not None:
@@ -314,9 +395,13 @@ class Emitter:
         kdim = h.spec.dims[-1]
         kval = self.c.dims[kdim]
         parts.append(f"{kw_al} < {self._paren(self.ref(kval))} // 8")
+        last = [b for b in n.attrs.get("bounds", ()) if b[0] == len(ivals) - 1]
+        if last:  # a packed index from loaded data: the word mask above is its upper bound
+            parts.append(f"{kw_al} >= 0")
+        parts += self.bound_exprs(n, h, ivals, waxes, skip=len(ivals) - 1)
         words = self.fresh("words")
         wmask = " & ".join(f"({p})" for p in parts)
-        self.w(f"{words} = tl.load({h.name}_ptr + {self._paren(offs)}, mask={wmask}, other=0)")
+        self.w(f"{words} = tl.load({addr}, mask={wmask}, other=0)")
         if n.attrs.get("unpack", "shift") == "bfe":
             self._int4_bfe(r, words, waxes, pack)
             return
@@ -362,9 +447,9 @@ class Emitter:
     def _store_like(self, n: Node, fn: str) -> None:
         h, ivals, masks, extra, value = n.args
         axes = n.attrs["axes"]
-        ptr = f"{h.name}_ptr + {self._paren(self.offsets(h, ivals, axes))}"
+        ptr = self.address(h, ivals, axes)
         v = self.aligned(value, axes)
-        m = self.mask_expr(masks, extra, axes)
+        m = self.mask_expr(masks, extra, axes, self.bound_exprs(n, h, ivals, axes))
         sem = ', sem="relaxed"' if fn == "atomic_add" else ""
         mk = "" if m is None else f", mask={m}"
         self.w(f"tl.{fn}({ptr}, {v}{mk}{sem})")
@@ -417,15 +502,18 @@ class Emitter:
         base = "" if st == "0" else f"{self._paren(st)} // 2 + "
         self.w(f"{kb} = {base}tl.arange(0, {size // 2})")
         kb_al = kb + "[" + ", ".join("None" for _ in baxes[:-1]) + (", :]" if len(baxes) > 1 else ":]")
-        offs = self.offsets(h, ivals, baxes, last_override=kb_al)
+        addr = self.address(h, ivals, baxes, last_override=kb_al)
         keep = frozenset(m for m in masks if kax not in m.axes)
         parts = [self.aligned(m, baxes) for m in sorted(keep, key=lambda m: m.name)]
         if extra is not None:
             parts.append(self.aligned(extra, baxes))
         kval = self.c.dims[h.spec.dims[-1]]
         parts.append(f"{kb_al} < {self._paren(self.ref(kval))} // 2")
+        if any(b[0] == len(ivals) - 1 for b in n.attrs.get("bounds", ())):
+            parts.append(f"{kb_al} >= 0")  # a packed index from loaded data: the byte mask above is its upper bound
+        parts += self.bound_exprs(n, h, ivals, baxes, skip=len(ivals) - 1)
         wmask = " & ".join(f"({p})" for p in parts)
-        self.w(f"{r.name} = tl.load({h.name}_ptr + {self._paren(offs)}, mask={wmask}, other=0)  # fp4 e2m1 x2")
+        self.w(f"{r.name} = tl.load({addr}, mask={wmask}, other=0)  # fp4 e2m1 x2")
 
     def _e8m0_f32(self, s: str) -> str:
         """E8M0 bytes -> f32 2^(e-127) by bits: 0 -> 2^-127 (a subnormal), 0xFF -> NaN."""

@@ -122,6 +122,7 @@ class OperandHandle:
     dtype: T.DType  # resolved storage type
     strides: list[Any]  # Value or int per dim (storage dims)
     kernel: str
+    wide: tuple[int, ...] = ()  # dims whose offset terms are 64-bit (the operand's span reaches 2^31)
 
     @property
     def is_int4(self) -> bool:

@@ -6,7 +6,9 @@ then bind tensors to dims, check shapes, dtypes and strides, and call the Triton
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -19,10 +21,46 @@ from .emit import emit_module
 from .errors import ConfigError, LaunchError
 from .ir import GridEntry, OperandHandle, TraceContext, TunableSpec, Value, tracing
 from .options import backend_options, split_config
-from .passes import run_passes
+from .passes import clamped_dims, run_passes
 from .targets import Target, current_target, get_target, resolve_dtype
 
 REGISTRY: dict[str, "Kernel"] = {}
+
+I32_SPAN = 2**31  # an operand whose element span reaches this needs 64-bit offsets
+GRID_LIMITS = (2**31 - 1, 65535, 65535)  # programs per grid axis (CUDA and HIP launch limits)
+_PROBLEM: list[dict[str, int]] = []
+
+
+def wide_dims(shape: Iterable[int], strides: Iterable[int]) -> tuple[int, ...]:
+    """The dims whose offset terms must be 64-bit: none while the largest reachable offset fits
+    in i32 (< 2^31); else the dims with the largest reach, fewest first, until the other terms' sum fits
+    (those stay 32-bit and are summed before the one widening add)."""
+    rest = 0
+    for n, s in zip(shape, strides):
+        if n == 0:
+            return ()
+        rest += (n - 1) * (s if s >= 0 else -s)
+    if rest < I32_SPAN:  # the common case, decided without building the list below
+        return ()
+    reach = [((n - 1) * abs(s), i) for i, (n, s) in enumerate(zip(shape, strides))]
+    out = []
+    for r, i in sorted(reach, reverse=True):
+        if rest < I32_SPAN:  # the largest offset fits in i32
+            break
+        out.append(i)
+        rest -= r
+    return tuple(sorted(out))
+
+
+@contextlib.contextmanager
+def problem_dims(dims: dict[str, int]):
+    """Inside the block, `specialize` without `dims` or `wide` sizes its operands from `dims` (for
+    callers that pass only static dims, e.g. the AOT report of a given problem)."""
+    _PROBLEM.append(dict(dims))
+    try:
+        yield
+    finally:
+        _PROBLEM.pop()
 
 
 @dataclass
@@ -39,6 +77,8 @@ class Specialization:
     params: list[tuple[str, Any]]  # (name, sig type string)
     stats: dict[str, int] = field(default_factory=dict)
     sources: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # param -> (kind, name, dim index)
+    wide: dict[str, tuple[int, ...]] = field(default_factory=dict)  # operand -> dims with 64-bit offset terms
+    clamped: frozenset = frozenset()  # (operand, dim) read through a clamped gathered index
     _fn: Any = None
 
     @property
@@ -85,6 +125,9 @@ class Kernel:
             if d not in self.signature.all_dims():
                 raise ConfigError(self.name, d, f"static dim {d!r} is not a dim of any parameter")
         self._specs: dict[Any, Specialization] = {}
+        self._launchers: dict[tuple, Callable[[tuple], Specialization]] = {}
+        self._launch_key = _launch_key_fn(self.signature)
+        self._last: tuple[Any, Any] = (None, None)  # (key, launcher) of the last cached launch
         self._tunable_cache: dict[Any, dict[str, TunableSpec]] = {}
         if self.name in REGISTRY and REGISTRY[self.name].fn.__code__ is not fn.__code__:
             other = REGISTRY[self.name].fn.__code__
@@ -113,7 +156,9 @@ class Kernel:
         return sig
 
     # -- tracing ---------------------------------------------------------------------------------
-    def _trace(self, target: Target, tun: dict[str, Any], static: dict[str, int]) -> TraceContext:
+    def _trace(self, target: Target, tun: dict[str, Any], static: dict[str, int],
+               wide: dict[str, tuple[int, ...]] | None = None) -> TraceContext:
+        wide = wide or {}
         c = TraceContext(self.name, target, tun, static)
         sig = self.signature
         args: list[Any] = []
@@ -125,11 +170,13 @@ class Kernel:
                     c.params.append((f"{pname}_ptr", f"*{dt.sig}"))
                     strides = []
                     for i in range(len(op.dims)):
+                        # strides stay i32 parameters (a stride past 2^31 is passed as i64 by the
+                        # JIT); the 64-bit products of wide dims cast them in the generated code
                         sv = Value(T.i32, (), hint="s")
                         sv.name = f"{pname}_s{i}"
                         c.params.append((sv.name, "i32"))
                         strides.append(sv)
-                    h = OperandHandle(pname, op, dt, strides, self.name)
+                    h = OperandHandle(pname, op, dt, strides, self.name, wide=tuple(wide.get(pname, ())))
                     c.operands[pname] = h
                     args.append(h)
                 elif pname in sig.scalars:
@@ -196,35 +243,72 @@ class Kernel:
         return cfg
 
     def specialize(self, config: dict[str, Any] | None = None, target: str | Target = "interpret",
-                   static: dict[str, int] | None = None) -> Specialization:
+                   static: dict[str, int] | None = None, dims: dict[str, int] | None = None,
+                   wide: dict[str, Iterable[int]] | Iterable[str] | None = None) -> Specialization:
+        """The specialization for (config, target, static dims, 64-bit offsets). `wide` maps an
+        operand to the dims whose offset terms need 64-bit arithmetic (a bare operand name: all
+        its dims); by default they come from the contiguous shapes of `dims` (a whole problem;
+        default: the dims of an enclosing `problem_dims`). A launch derives them from the real
+        shapes and strides (`wide_dims`)."""
         target = get_target(target)
+        if wide is None:
+            dims = dims if dims is not None else (_PROBLEM[-1] if _PROBLEM else None)
+            wide = self.wide_operands(dims) if dims else {}
+        if wide:
+            if not isinstance(wide, dict):
+                wide = {n: range(len(self.signature.operands[n].dims)) if n in self.signature.operands else ()
+                        for n in wide}
+            for n in wide:
+                if n not in self.signature.operands:
+                    raise ConfigError(self.name, n, "wide (64-bit offset) names must be operands")
+            wide = {n: tuple(sorted(set(v))) for n, v in wide.items() if v}
+        else:
+            wide = {}
         static = self._static_values(static)
         config = dict(config or {})
         tun_specs = self.tunables(target, static)
         tun, opts = split_config(self.name, target, config, tun_specs)
         full_tun = {n: tun.get(n, s.default) for n, s in tun_specs.items()}
-        key = (target.name, tuple(sorted(full_tun.items())), tuple(sorted(opts.items())), tuple(sorted(static.items())))
+        key = (target.name, tuple(sorted(full_tun.items())), tuple(sorted(opts.items())), tuple(sorted(static.items())),
+               tuple(sorted(wide.items())))
         sp = self._specs.get(key)
         if sp is not None:
             return sp
-        c = self._trace(target, full_tun, static)
-        stats = run_passes(c.root, target)
+        c = self._trace(target, full_tun, static, wide)
+        stats = run_passes(c.root, target, c.dims)
         full_tun = {n: c.config.get(n, s.default) for n, s in c.tunables.items()}
         header = [f"kdsl kernel {self.name} for {target.name}",
                   f"source: {inspect.getsourcefile(self.fn)}:{inspect.getsourcelines(self.fn)[1]}",
                   f"tunables: {full_tun}", f"options: {opts}"]
         if static:
             header.append(f"static dims: {static}")
+        if wide:
+            named = [f"{n}[{', '.join(self.signature.operands[n].dims[i] for i in v)}]" for n, v in sorted(wide.items())]
+            header.append(f"64-bit offsets: {', '.join(named)} (element span >= 2^31)")
         header.append(f"passes: {stats}")
         src = emit_module(c, target, self.name, header)
         sp = Specialization(self, target, {**full_tun, **opts}, full_tun, opts, static, src, "", list(c.grid),
-                            list(c.params), stats, _param_sources(self.signature, c.params))
+                            list(c.params), stats, _param_sources(self.signature, c.params), wide=wide,
+                            clamped=frozenset(clamped_dims(c.root)))
         self._specs[key] = sp
         return sp
 
     def source(self, config: dict[str, Any] | None = None, target: str | Target = "interpret",
-               static: dict[str, int] | None = None) -> str:
-        return self.specialize(config, target, static).source
+               static: dict[str, int] | None = None, dims: dict[str, int] | None = None) -> str:
+        return self.specialize(config, target, static, dims).source
+
+    def wide_operands(self, dims: dict[str, int]) -> dict[str, tuple[int, ...]]:
+        """64-bit offset dims of each operand, contiguous with these dims (dims not given count as 1)."""
+        out = {}
+        for pname, op in self.signature.operands.items():
+            shape = [int(dims.get(d, 1)) for d in op.dims]
+            if shape and isinstance(op.dtype, T.Int4):
+                shape[-1] = -(-shape[-1] // 8)
+            strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+            w = wide_dims(shape, strides)
+            if w:
+                out[pname] = w
+        return out
 
     # -- launching -------------------------------------------------------------------------------
     def bind(self, args: tuple, kwargs: dict, target: Target, check_device: bool = True
@@ -296,49 +380,186 @@ class Kernel:
                 raise LaunchError(self.name, None, f"the interpret target runs on CPU tensors, got {device}")
             if target.backend != "interpret" and device.type != "cuda":
                 raise LaunchError(self.name, None, f"target {target.name} needs GPU tensors, got {device}")
+        for d, v in dims.items():
+            if not -I32_SPAN <= v < I32_SPAN:
+                raise LaunchError(self.name, d, f"dim {d} = {v} overflows the 32-bit index arithmetic of this "
+                                                f"kernel (dims must be below 2^31)")
         for param, pred, rule in self.checks:
             if not pred(dims):
                 raise LaunchError(self.name, param, f"{rule} (dims: {dims})")
         return bound, dims
 
+    def wide_from_tensors(self, bound: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        """64-bit offset dims of each bound tensor operand (`wide_dims` of its shape and strides)."""
+        out = {}
+        for pname in self.signature.operands:
+            t = bound[pname]
+            if t.numel() < I32_SPAN and t.is_contiguous():  # the common case: the span is the numel
+                continue
+            w = wide_dims(t.shape, t.stride())
+            if w:
+                out[pname] = w
+        return out
+
+    def grid_for(self, sp: Specialization, dims: dict[str, int]) -> tuple[int, ...]:
+        """Programs per grid axis; a grid the launch limits or 32-bit tile indices cannot hold is an
+        error naming the dim."""
+        grid = sp.grid_size(dims)
+        if 0 not in grid:
+            for op, d in sorted(sp.clamped):
+                if dims[d] == 0:
+                    raise LaunchError(self.name, op, f"dim {d} is 0, but the kernel reads {op} at positions taken "
+                                                     "from loaded data")
+        for ax, (e, g) in enumerate(zip(sp.grid, grid)):
+            if g < 0:
+                raise LaunchError(self.name, e.dim, f"dim {e.dim} = {dims[e.dim]} is negative (grid axis {ax})")
+            if g > GRID_LIMITS[ax]:
+                raise LaunchError(self.name, e.dim, f"grid axis {ax} over dim {e.dim} needs {g} programs, more than "
+                                                    f"the launch limit {GRID_LIMITS[ax]}")
+            if e.kind == "tile" and g * e.block >= I32_SPAN:
+                raise LaunchError(self.name, e.dim, f"dim {e.dim} = {dims[e.dim]} in tiles of {e.block} overflows "
+                                                    f"32-bit tile indices")
+        return grid
+
     def __call__(self, *args: Any, config: dict[str, Any] | None = None, target: str | Target | None = None,
                  **kwargs: Any) -> Specialization:
-        rec = record.active()
-        if rec is not None:
-            return self._record(rec, args, kwargs, config)
+        if record._ACTIVE:
+            return self._record(record.active(), args, kwargs, config)
+        key = run = None
+        if LAUNCH_CACHE["enabled"]:
+            try:
+                if kwargs:
+                    args, kwargs = self._positional(args, kwargs), {}
+                key = self._launch_key(args, config, target)
+                last = self._last  # a kernel launched again with its last shapes: no hashing
+                run = last[1] if last[0] == key else self._launchers.get(key)
+            except Exception:  # not what a launch takes: the full path below says what is wrong
+                key = None
+        if run is not None:
+            self._last = (key, run)
+            return run(args)
+        return self._launch(args, kwargs, config, target, key)
+
+    def _positional(self, args: tuple, kwargs: dict) -> tuple:
+        """All arguments in parameter order (an exception, i.e. the full path, when names do not fit)."""
+        rest = self.signature.order[len(args):]
+        if len(rest) != len(kwargs):
+            raise TypeError("argument count")
+        return args + tuple(kwargs[n] for n in rest)
+
+    def _launch(self, args: tuple, kwargs: dict, config: dict[str, Any] | None, target: str | Target | None,
+                key: tuple | None) -> Specialization:
+        """The full path: bind and check, specialize, launch; with a key, cache a bound launcher."""
         if target is None:  # CPU tensors run on the interpreter, GPU tensors on the current GPU
             on_cpu = any(isinstance(a, torch.Tensor) and a.device.type == "cpu"
                          for a in (*args, *kwargs.values()))
-            target = get_target("interpret") if on_cpu else _current()
+            tgt = get_target("interpret") if on_cpu else _current()
         else:
-            target = get_target(target)
-        bound, dims = self.bind(args, kwargs, target)
+            tgt = get_target(target)
+        bound, dims = self.bind(args, kwargs, tgt)
         static = {d: dims[d] for d in self.static}
-        sp = self.specialize(config, target, static)
-        grid = sp.grid_size(dims)
+        sp = self.specialize(config, tgt, static, wide=self.wide_from_tensors(bound))
+        grid = self.grid_for(sp, dims)
+        if key is not None:
+            run = _bound_launcher(self, key, sp, grid, bound, dims, self.signature.order)
+            if len(self._launchers) >= LAUNCH_CACHE["max_entries"]:
+                self._launchers.clear()
+            self._launchers[key] = run
+            self._last = (key, run)
+            return run(tuple(bound[n] for n in self.signature.order))
         if 0 in grid:
             return sp
         flat: list[Any] = []
         for pname, _ in sp.params:
             kind, ref, i = sp.sources[pname]
-            if kind == "ptr":
+            if kind == "ptr" or kind == "scalar":
                 flat.append(bound[ref])
             elif kind == "stride":
                 flat.append(bound[ref].stride(i))
-            elif kind == "scalar":
-                flat.append(bound[ref])
             else:
                 flat.append(dims[ref])
-        opts = backend_options(self.name, target, sp.options)
-        sp.fn[grid](*flat, **opts)
+        sp.fn[grid](*flat, **backend_options(self.name, tgt, sp.options))
         return sp
 
     def _record(self, rec: "record.Recorder", args: tuple, kwargs: dict, config: dict[str, Any] | None) -> Specialization:
         """Record mode: bind and check as a launch would (any device), specialize, log, run nothing."""
         bound, dims = self.bind(args, kwargs, rec.target, check_device=False)
-        sp = self.specialize(config, rec.target, {d: dims[d] for d in self.static})
-        rec.launches.append(record.LaunchRecord(self, dict(sp.config), dict(dims), sp.grid_size(dims), rec.target.name))
+        sp = self.specialize(config, rec.target, {d: dims[d] for d in self.static}, wide=self.wide_from_tensors(bound))
+        grid = self.grid_for(sp, dims)
+        rec.launches.append(record.LaunchRecord(self, dict(sp.config), dict(dims), grid, rec.target.name))
         return sp
+
+
+LAUNCH_CACHE: dict[str, Any] = {"enabled": True, "max_entries": 512}
+"""Bound launchers per kernel, keyed by everything a launch checks (`Kernel._launch_key`): a repeated
+launch with the same shapes, strides, dtypes, devices, dims and config skips binding, validation and
+the specialization lookup. `enabled` False: every launch takes the full path (bench.launch compares)."""
+
+
+def _launch_key_fn(sig: T.Signature) -> Callable[[tuple, Any, Any], tuple]:
+    """key(args, config, target): what a launch's binding, checks and specialization depend on
+    (the config, the target, each tensor's shape, strides, dtype and device, each Dim's value,
+    each scalar's type). Generated per kernel as one expression: no loop, no branches."""
+    names = [f"a{i}" for i in range(len(sig.order))]
+    parts = ["tuple(c.items()) if c else None", "t if t is None or t.__class__ is str else id(t)"]
+    for n, pname in zip(names, sig.order):
+        if pname in sig.operands:
+            parts += [f"{n}.shape", f"{n}.stride()", f"{n}.dtype", f"{n}.get_device()"]
+        elif pname in sig.dim_params:
+            parts += [f"{n}.__class__", n]
+        else:
+            parts.append(f"{n}.__class__")
+    unpack = f"    {', '.join(names)}, = a\n" if names else "    if a:\n        raise TypeError('arguments')\n"
+    ns: dict[str, Any] = {}
+    exec(f"def key(a, c, t):\n{unpack}    return ({', '.join(parts)},)\n", ns)
+    return ns["key"]
+
+
+def _bound_launcher(kernel: "Kernel", key: tuple, sp: Specialization, grid: tuple[int, ...],
+                    bound: dict[str, Any], dims: dict[str, int], order: list[str]) -> Callable[[tuple], Specialization]:
+    """run(args) for one launch shape of a specialization: every stride and dim is a constant, so a
+    launch only passes this call's tensors and scalars. The first version fills a template; a key
+    launched again gets a generated function with the constants inlined (one call, no loop), built
+    then so that shapes seen once do not pay for generating it."""
+    if 0 in grid:
+        return lambda a: sp
+    pos = {n: i for i, n in enumerate(order)}
+    tmpl: list[Any] = []
+    fill: list[tuple[int, int]] = []
+    for pname, _ in sp.params:
+        kind, ref, i = sp.sources[pname]
+        if kind == "ptr" or kind == "scalar":
+            fill.append((len(tmpl), pos[ref]))
+            tmpl.append(None)
+        else:
+            tmpl.append(int(bound[ref].stride(i) if kind == "stride" else dims[ref]))
+    fn = sp.fn[grid]
+    opts = backend_options(sp.kernel.name, sp.target, sp.options)
+    uses = [0]
+
+    def run(a: tuple) -> Specialization:
+        flat = tmpl.copy()
+        for fi, ai in fill:
+            flat[fi] = a[ai]
+        fn(*flat, **opts)
+        uses[0] += 1
+        if uses[0] == 2 and kernel._launchers.get(key) is run:
+            fast = _inlined(fn, opts, sp, tmpl, dict(fill))
+            kernel._launchers[key] = fast
+            if kernel._last[1] is run:
+                kernel._last = (key, fast)
+        return sp
+
+    return run
+
+
+def _inlined(fn: Any, opts: dict[str, Any], sp: Specialization, tmpl: list[Any], fill: dict[int, int]
+             ) -> Callable[[tuple], Specialization]:
+    """The launcher as one generated call: constants inlined, arguments picked by position."""
+    exprs = [f"a[{fill[j]}]" if j in fill else repr(v) for j, v in enumerate(tmpl)]
+    ns: dict[str, Any] = {"_fn": fn, "_opts": opts, "_sp": sp}
+    exec(f"def run(a):\n    _fn({''.join(e + ', ' for e in exprs)}**_opts)\n    return _sp\n", ns)
+    return ns["run"]
 
 
 def _param_sources(sig: T.Signature, params: list[tuple[str, Any]]) -> dict[str, tuple[str, str, int]]:

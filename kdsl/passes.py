@@ -1,4 +1,5 @@
-"""Passes over the traced IR: dot-accumulate fusion, target legalization, dead code removal."""
+"""Passes over the traced IR: dot-accumulate fusion, target legalization, dead code removal, and
+bounds on gathers (an index computed from loaded data is checked against its operand's dim)."""
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -134,7 +135,120 @@ def _dce_block(block: Block, counts: dict[int, int]) -> int:
     return removed
 
 
-def run_passes(root: Block, target: Target) -> dict[str, int]:
+MEMORY_OPS = ("load", "load_int4", "load_fp4", "store", "atomic_add")
+DATA_SOURCES = ("load", "load_int4", "load_fp4")  # ops whose results are memory contents, i.e. anything
+
+
+def tainted_values(root: Block) -> set[int]:
+    """ids of the values that depend on loaded data (through arithmetic, selects, reductions, casts,
+    loop-carried state and loop bounds). Such a value used as an index is a gather: it may hold any
+    number (a page table entry, a slot, an expert id), so the access it addresses must be bounded.
+    Tile indices (program ids, ranges over dims, constants) are not tainted."""
+    taint: set[int] = set()
+
+    def any_in(xs: Iterable[Value]) -> bool:
+        return any(id(v) in taint for v in xs)
+
+    changed = True
+    while changed:  # a fold's yields come after its body reads the carried values: iterate
+        changed = False
+        for n in walk(root):
+            outs: list[Value] = []
+            if n.op in DATA_SOURCES:
+                outs = list(n.results)
+            elif n.op == "fold":
+                start, stop, *inits = n.args
+                lv = n.attrs["loopvar"]
+                if id(lv) not in taint and any_in(_values_in([start, stop])):
+                    outs.append(lv)
+                for c, i, y in zip(n.results, inits, n.attrs["yields"]):
+                    if any_in(_values_in([i, y])):
+                        outs.append(c)
+            elif n.op not in ("program_id", "full") and n.results:
+                if any_in(_values_in(n.args)):
+                    outs = list(n.results)
+            for v in outs:
+                if id(v) not in taint:
+                    taint.add(id(v))
+                    changed = True
+    return taint
+
+
+def _implied_bounds(v: Value, dim: str, dim_value: Any) -> tuple[bool, bool]:
+    """(need lower, need upper) for `0 <= v < dim`: an unsigned index is never negative, and
+    `x % dim` (remainder with the dividend's sign) is never >= dim."""
+    lo, hi = True, True
+    if not v.dtype.is_signed or v.dtype is T.bool_:
+        lo = False
+    n = v.node
+    if n is not None and n.op == "binary" and n.attrs.get("op") == "%":
+        rhs = n.args[1]
+        if rhs is dim_value or (isinstance(rhs, Value) and rhs.const is not None and rhs.const == dim_value):
+            hi = False
+    return lo, hi
+
+
+def _index_only(root: Block) -> set[int]:
+    """ids of the values whose every use is as an index of a memory access (a page-table entry
+    that only addresses the cache, for instance), never as data, a mask or loop state."""
+    index_use: set[int] = set()
+    other_use: set[int] = set()
+    for n in walk(root):
+        if n.op in MEMORY_OPS:
+            for i in n.args[1]:
+                if isinstance(i, Value):
+                    index_use.add(id(i))
+            rest: list[Any] = [n.args[2], n.args[3]] + n.args[4:]
+        else:
+            rest = list(n.args) + [n.attrs.get("yields", [])]
+        for v in _values_in(rest):
+            other_use.add(id(v))
+            other_use.update(id(m) for m in v.masks)
+    return index_use - other_use
+
+
+def bound_gathers(root: Block, dims: dict[str, Any]) -> int:
+    """Mark every memory access whose index along some dim comes from loaded data with the bound
+    `0 <= index < dim` (attrs["bounds"]: (position, dim name, check lower, check upper)); the
+    emitter adds the compare to the access mask, so an out-of-range lane reads `other` and a
+    store or atomic drops it.
+
+    One exception keeps a table read cheap: a load from an `In` operand whose result is used only
+    as an index of other (bounded) accesses, a page table read say, gets its index clamped into
+    the dim instead (attrs["bound_mode"] = "clamp": an unsigned min, no extra mask term, which in
+    the decode loops is what keeps the AMD kernels within their scalar registers). Such a lane
+    reads an entry of the same table, which is itself bounded where it is used; the launch refuses
+    an empty dim there (`Specialization.clamped`). Returns the number of bounded indices."""
+    taint = tainted_values(root)
+    index_only = _index_only(root)
+    count = 0
+    for n in walk(root):
+        if n.op not in MEMORY_OPS:
+            continue
+        h, ivals = n.args[0], n.args[1]
+        bounds = []
+        for pos, (d, i) in enumerate(zip(h.spec.dims, ivals)):
+            if not isinstance(i, Value) or id(i) not in taint:
+                continue
+            lo, hi = _implied_bounds(i, d, dims.get(d))
+            if lo or hi:
+                bounds.append((pos, d, lo, hi))
+        if bounds:
+            n.attrs["bounds"] = bounds
+            count += len(bounds)
+            if (n.op == "load" and h.spec.kind == "in" and n.results and id(n.results[0]) in index_only
+                    and (not h.is_int4)):
+                n.attrs["bound_mode"] = "clamp"
+    return count
+
+
+def clamped_dims(root: Block) -> set[tuple[str, str]]:
+    """(operand, dim) pairs read through a clamped index: such a dim must not be empty at launch."""
+    return {(n.args[0].name, b[1]) for n in walk(root) if n.attrs.get("bound_mode") == "clamp"
+            for b in n.attrs["bounds"]}
+
+
+def run_passes(root: Block, target: Target, dims: dict[str, Any] | None = None) -> dict[str, int]:
     from .irtools import verify
 
     verify(root, stage="trace")
@@ -147,6 +261,10 @@ def run_passes(root: Block, target: Target) -> dict[str, int]:
     verify(root, stage="hoisting")
     stats["dead_removed"] = dce(root)
     verify(root, stage="dead code removal")
+    if dims is not None:
+        bounded = bound_gathers(root, dims)
+        if bounded:  # absent otherwise: kernels without gathers keep their generated source
+            stats["gathers_bounded"] = bounded
     return stats
 
 
