@@ -131,8 +131,8 @@ def paged_positions(block_table: torch.Tensor, b: int, n: int, page_size: int, n
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch-backend gather plan of sequence b's first n cached positions, with the kernels'
     no-op rule: positions past the table's capacity do not exist, and a position whose table
-    entry is outside [0, num_pages) is invisible (its page index is replaced by 0 for the gather,
-    never wrapped). Returns (pos, page, ok)."""
+    entry is outside [0, num_pages) reads as zeros (its page index is replaced by 0 for the
+    gather, never wrapped; the caller zeroes those rows with `ok`). Returns (pos, page, ok)."""
     n = max(0, min(n, block_table.shape[1] * page_size))
     pos = torch.arange(n, device=block_table.device)
     page = block_table[b].long()[pos // page_size]

@@ -93,11 +93,6 @@ def cached_len(seq_lens, b, pages, page_size):
     return kd.maximum(kd.minimum(seq_lens[b], pages * page_size), 0)
 
 
-def page_ok(page, num_pages):
-    """A gathered table entry names a page of the cache; other entries make their tokens invisible."""
-    return (page >= 0) & (page < num_pages)
-
-
 def _split_body(q, kv, block_table, seq_lens, tree, part, lse, sm_scale):
     b, mrow, split = kd.grid(kd.each("B"), kd.tile("QH", "BLOCK_M", domain=(16, 32, 64), default=16), kd.each("S"))
     # default 32 (gfx942: 36 KiB LDS, 0 spills, also for the tree variant with its mask tile). Both
@@ -136,8 +131,7 @@ def _split_body(q, kv, block_table, seq_lens, tree, part, lse, sm_scale):
             s = (kd.dot(kl, ql) + kd.dot(kr, qr)) * qk_scale  # [BLOCK_N, BLOCK_M]
         else:
             s = (kd.dot(ql, kl) + kd.dot(qr, kr)) * qk_scale  # [BLOCK_M, BLOCK_N]
-        vis = visible(p, r, base, base, stop, tree, b) & page_ok(page, kd.dim("NP"))
-        m_new, l_new, alpha, pr = softmax_step(s, vis, m_i, l_i, p)
+        m_new, l_new, alpha, pr = softmax_step(s, visible(p, r, base, base, stop, tree, b), m_i, l_i, p)
         if pv_f32:
             pv = kd.dot(pr, kl.to(kd.f32))
         else:
@@ -323,14 +317,14 @@ def mla_decode_ref(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
                    sm_scale: float, latent_dim: int = 512, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """float64 reference: gather each sequence's tokens through the block table, mask, softmax.
     The kernels' no-op rules: a length is clamped to [0, table capacity]; a token whose table
-    entry is outside [0, num_pages) is invisible; a row that sees no token is 0."""
+    entry is outside [0, num_pages) reads as zeros; a row that sees no token is 0."""
     B, QL, H, DQ = q.shape
     PS = kv.shape[1]
     out = torch.zeros(B, QL, H, latent_dim, dtype=torch.float64, device=q.device)
     for b in range(B):
         pos, pages, ok = paged_positions(block_table, b, int(seq_lens[b]), PS, kv.shape[0])
         n = pos.numel()
-        k = kv[pages, pos % PS].double()  # [n, DQ]
+        k = kv[pages, pos % PS].double() * ok[:, None]  # [n, DQ]; a page outside the cache reads 0
         s = torch.einsum("rhd,nd->rhn", q[b].double(), k) * sm_scale
         base = n - QL
         rows = torch.arange(QL, device=q.device)
@@ -339,7 +333,6 @@ def mla_decode_ref(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
         else:
             j = (pos - base).clamp(min=0, max=QL - 1)
             vis = (pos[None, :] < base) | (tree_mask[b].bool()[:, j] & (pos >= base)[None, :])
-        vis = vis & ok[None, :]
         s = s.masked_fill(~vis[:, None, :], float("-inf"))
         p = torch.softmax(s, -1).nan_to_num(0.0)  # a row that sees nothing: 0
         out[b] = torch.einsum("rhn,nd->rhd", p, k[:, :latent_dim])
@@ -360,7 +353,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     `split_range`); False: splits sized to fill `cu_count` CUs (default: the target's).
     `splits` overrides the split count. Out-of-range values are defined no-ops, the same on both
     backends: a length is clamped to [0, block_table width x page size]; a token whose table entry
-    is outside [0, num_pages) is invisible (never a wrapped index); a row that sees no token is 0.
+    is outside [0, num_pages) reads as zeros (K = V = 0: a score of 0 and no value; never a wrapped
+    index, never memory outside the cache); a row that sees no token is 0.
     `validate=True` (or `ops._common.set_validate`) checks those values instead (device reads)."""
     check_backend("mla_decode", backend)
     _check(q, kv_cache, block_table, seq_lens, latent_dim, tree_mask, validating(validate))
