@@ -40,7 +40,7 @@ def config_for(kernel: Any, problem: dict[str, int], m: int, config: dict[str, A
         return config
     from autotune import lookup_config
 
-    return lookup_config(kernel, current_target().name, problem, m)
+    return lookup_config(kernel, current_target().name, problem, max(m, 1))  # M=0: any config, nothing runs
 
 
 def invariant_config(kernel: Any, problem: dict[str, int], m: int, config: dict[str, Any] | None,

@@ -202,7 +202,7 @@ def _run(kernel: kd.Kernel, args: tuple, M: int, N: int, K: int, config: dict | 
     if invariant:
         config = invariant_config(kernel, {"N": N, "K": K}, M, config)
     elif config is None:
-        config = lookup_config(kernel, kd.current_target().name, {"N": N, "K": K}, M)
+        config = lookup_config(kernel, kd.current_target().name, {"N": N, "K": K}, max(M, 1))
     out = torch.empty(M, N, dtype=torch.bfloat16, device=device)
     if M:
         kernel(*args, out, config=config)

@@ -117,7 +117,7 @@ def quantize_int8(x: torch.Tensor, backend: str = "triton", config: dict | None 
         raise ValueError(f"quantize_int8: backend must be 'triton' or 'torch', got {backend!r}")
     M, K = x.shape
     if config is None:
-        config = lookup_config(quant_per_token_int8, kd.current_target().name, {"K": K}, M)
+        config = lookup_config(quant_per_token_int8, kd.current_target().name, {"K": K}, max(M, 1))
     q = torch.empty(M, K, dtype=torch.int8, device=x.device)
     s = torch.empty(M, dtype=torch.float32, device=x.device)
     if M:
@@ -136,7 +136,7 @@ def quantize_fp8(x: torch.Tensor, backend: str = "triton", config: dict | None =
         raise ValueError(f"quantize_fp8: backend must be 'triton' or 'torch', got {backend!r}")
     M, K = x.shape
     if config is None:
-        config = lookup_config(quant_per_token_fp8, kd.current_target().name, {"K": K}, M)
+        config = lookup_config(quant_per_token_fp8, kd.current_target().name, {"K": K}, max(M, 1))
     q = torch.empty(M, K, dtype=fp8, device=x.device)
     s = torch.empty(M, dtype=torch.float32, device=x.device)
     if M:
