@@ -23,6 +23,18 @@ _VALIDATE = False
 LAUNCH_ONLY_KEYS = frozenset({"num_warps", "num_stages", "waves_per_eu", "INT4_UNPACK"})
 
 
+# Kernels whose reductions are exact (int8 x int4/int8 products summed in an i32 accumulator, row
+# absmax): their result does not depend on the tiles, so batch-invariant mode keeps their tuned
+# per-bucket configs (the float epilogue is elementwise).
+EXACT_ACCUMULATION = frozenset({"gemm_w8a8", "gemm_w4a8", "gemm_w4a8_order", "gemm_w4a8_i32acc", "moe_stage1_w4a8",
+                                "moe_stage1_w4a8_acc", "moe_stage2_w4a8", "moe_stage2_w4a8_pq",
+                                "quant_per_token_int8", "quant_per_token_fp8"})
+
+
+def kernel_name(kernel: Any) -> str:
+    return kernel if isinstance(kernel, str) else getattr(kernel, "name", str(kernel))
+
+
 def set_validate(on: bool) -> None:
     """Turn the value checks (device reads) of every op on or off (default off)."""
     global _VALIDATE
@@ -55,6 +67,8 @@ def invariant_config(kernel: Any, problem: dict[str, int], m: int, config: dict[
     from autotune import lookup_config
 
     arch = arch or current_target().name
+    if kernel_name(kernel) in EXACT_ACCUMULATION:  # integer dot products: any tile gives the same bits
+        return lookup_config(kernel, arch, problem, max(m, 1))
     own = lookup_config(kernel, arch, problem, max(m, 1))
     ref = lookup_config(kernel, arch, ref_problem or problem, 1)
     out = {k: v for k, v in own.items() if k in LAUNCH_ONLY_KEYS}

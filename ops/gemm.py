@@ -197,8 +197,9 @@ def _scales(name: str, xs: torch.Tensor, ws: torch.Tensor, M: int, N: int, devic
 
 def _run(kernel: kd.Kernel, args: tuple, M: int, N: int, K: int, config: dict | None, device,
          invariant: bool = True) -> torch.Tensor:
-    """Launch with the tuned config of this M (or, `invariant`, the M=1 tiles for every M: a row's
-    result then does not depend on the batch). M=0 launches nothing."""
+    """Launch with the tuned config of this M (or, `invariant` with a float accumulator (bf16, fp8,
+    W4A16), the M=1 tiles for every M: a row's result then does not depend on the batch; the
+    integer kernels are exact at any tile and keep their per-bucket configs). M=0 launches nothing."""
     if invariant:
         config = invariant_config(kernel, {"N": N, "K": K}, M, config)
     elif config is None:

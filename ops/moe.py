@@ -27,7 +27,9 @@ Pipeline of `fused_moe` (backend="triton"):
    The routing weight is applied and the top-k rows are summed per token either by `kd.atomic_add` into an f32 [M, H] buffer (REDUCE="atomic") or by storing a
    partial [T, H] buffer reduced by `moe_sum` (REDUCE="partial"); REDUCE is a tunable of stage 2.
    Batch-invariant mode (`invariant=True`, the default) always uses "partial" (a fixed summation
-   order) and the M=1 tiles of every kernel, so a token's output does not depend on the batch.
+   order) and the M=1 tiles of every float-accumulating kernel (gate GEMM, bf16 / W4A16 stages;
+   W4A8 stages are exact in i32 and keep their tuned tiles), so a token's output does not depend
+   on the batch.
 6. Shared expert: plain torch (bf16 GEMMs, f32 SiLU) — noted; output = routed (f32) + shared, cast to bf16.
 
 Weight formats (`MoEWeights.fmt`):
@@ -704,9 +706,10 @@ def shared_expert_ref(x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor,
 
 def _stage_configs(config: dict | None, fmt: str, E: int, H: int, I: int, top_k: int, M: int,
                    invariant: bool = False) -> tuple[dict, dict]:
-    """Stage configs: explicit ones from `config`, else tuned. `invariant`: every numerics key
-    from the M=1 entry (a row's result then does not depend on the batch) and the top-k sum as
-    partial rows + `moe_sum` in fixed order (REDUCE="partial": no order-dependent float atomics)."""
+    """Stage configs: explicit ones from `config`, else tuned. `invariant`: the top-k sum as
+    partial rows + `moe_sum` in fixed order (REDUCE="partial": no order-dependent float atomics)
+    and, for the float-accumulating formats (bf16, W4A16), every numerics key from the M=1 entry;
+    W4A8 stages accumulate exactly in i32, so they keep their per-bucket tiles."""
     k1, k2 = STAGE1[fmt], STAGE2[fmt]
     if fmt == "w4a8" and (config or {}).get("stage2_quant", "separate") == "separate":
         k2 = moe_stage2_w4a8_pq
@@ -730,8 +733,9 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEW
     check_ids (default on) refuses ids outside [0, E) by reading them (a device sync, so not
     inside graph capture); pass False only for ids from `route`, which guarantees them. Unchecked,
     an id outside [0, E) is a defined no-op on both backends: that (token, k) adds nothing.
-    `invariant` (default): a token's result does not depend on the batch (M=1 tiles for every
-    M, top-k summed in fixed order by `moe_sum`, never by float atomics). M=0 gives [0, H]."""
+    `invariant` (default): a token's result does not depend on the batch (top-k summed in fixed
+    order by `moe_sum`, never by float atomics; M=1 tiles at every M for the float-accumulating
+    formats). M=0 gives [0, H]."""
     _check_backend(backend)
     E, H, I = w.dims()
     check_tensor("fused_experts", "hidden", x, 2, (torch.bfloat16, torch.float16, torch.float32))

@@ -48,13 +48,17 @@ def test_tuned_configs_reduce_to_one_numerics_choice(arch: str) -> None:
     assert len(seen) == 1
     raw = {str(_numerics(lookup_config(mla.mla_decode_split, arch, p, m))) for p in (p1, p4) for m in (1, 4, 32, 256)}
     assert len(raw) > 1
-    g = {"N": 4096, "K": 7168}
-    assert len({str(_numerics(invariant_config(gemm.gemm_w4a8_kernel, g, m, None, arch=arch)))
+    g = {"N": 1536, "K": 7168}  # a float-accumulating GEMM: one choice
+    assert len({str(_numerics(invariant_config(gemm.gemm_bf16_kernel, g, m, None, arch=arch)))
                 for m in (1, 8, 64, 256)}) == 1
+    g4 = {"N": 4096, "K": 7168}  # integer accumulation is exact: the tuned per-bucket configs stay
+    for m in (1, 64):
+        assert invariant_config(gemm.gemm_w4a8_kernel, g4, m, None, arch=arch) == lookup_config(
+            gemm.gemm_w4a8_kernel, arch, g4, m)
     s2 = {"E": 384, "H": 7168, "I": 2048, "TOPK": 8}
     c2 = [moe._stage_configs(None, "w4a8", 384, 7168, 2048, 8, m, True)[1] for m in (1, 64)] if arch == "gfx942" else []
     assert all(c["REDUCE"] == "partial" for c in c2)
-    assert len({str(_numerics(invariant_config(moe.moe_stage2_w4a8_pq, s2, m, None, arch=arch))) for m in (1, 64)}) == 1
+    assert len({str(_numerics(invariant_config(moe.moe_stage2_w4a16, s2, m, None, arch=arch))) for m in (1, 64)}) == 1
 
 
 def _kimi_cfg(kern, arch, problem, m, ref):
@@ -156,11 +160,18 @@ def test_gemm_rows_batch1_equals_batch8(arch: str) -> None:
     w = (torch.randn(N, K, generator=g) * 0.1).bfloat16()
     w4 = pack_int4(torch.randint(-8, 8, (N, K), generator=g, dtype=torch.int32), "quark_reorder")
     ws = torch.rand(N, generator=g) * 0.01
-    c4 = invariant_config(gemm.gemm_w4a8_kernel, {"N": 4096, "K": 7168}, M, None, arch=arch)
-    c4 = {k: v for k, v in c4.items() if k not in ("matrix_instr_nonkdim", "kpack", "waves_per_eu")}
-    a8 = gemm.linear_w4a8(x, w4, ws, config=c4)
-    a1 = gemm.linear_w4a8(x[:1].contiguous(), w4, ws, config=c4)
+    from autotune import lookup_config
+
+    trim = lambda c: {k: v for k, v in c.items() if k not in ("matrix_instr_nonkdim", "kpack", "waves_per_eu")}  # noqa: E731
+    # W4A8 (exact i32 accumulation): batch 8 with the bucket-64 tiles == batch 1 with the bucket-1 tiles
+    c64 = trim(lookup_config(gemm.gemm_w4a8_kernel, arch, {"N": 4096, "K": 7168}, 64))
+    c1 = trim(lookup_config(gemm.gemm_w4a8_kernel, arch, {"N": 4096, "K": 7168}, 1))
+    assert c64 != c1
+    a8 = gemm.linear_w4a8(x, w4, ws, config=c64)
+    a1 = gemm.linear_w4a8(x[:1].contiguous(), w4, ws, config=c1)
     assert torch.equal(a1[0], a8[0])
-    b8 = gemm.gemm_bf16(x, w)
-    b1 = gemm.gemm_bf16(x[3:4].contiguous(), w)
+    # bf16 (f32 accumulation): the one invariant choice at both batch sizes
+    cb = trim(invariant_config(gemm.gemm_bf16_kernel, {"N": 1536, "K": 7168}, M, None, arch=arch))
+    b8 = gemm.gemm_bf16(x, w, config=cb)
+    b1 = gemm.gemm_bf16(x[3:4].contiguous(), w, config=cb)
     assert torch.equal(b1[0], b8[3])
