@@ -276,11 +276,20 @@ def split_plan(kern: Any, cfg: dict[str, Any], static: dict[str, int], batch: in
                              f"SPLIT_TOKENS={st} that a {capacity}-token table needs")
         return splits
     if invariant:
-        st = cfg.setdefault("SPLIT_TOKENS", tun["SPLIT_TOKENS"].default)
-        if st:
-            return invariant_splits(capacity, st)
-    cfg["SPLIT_TOKENS"] = 0
-    return num_splits([capacity] * batch, 1, heads_rows, block_m, cu_count=cu_count, block_n=bn)
+        cfg.setdefault("SPLIT_TOKENS", tun["SPLIT_TOKENS"].default)
+    else:
+        cfg["SPLIT_TOKENS"] = 0
+    return launch_split_count(capacity, batch, heads_rows, block_m, bn, cfg["SPLIT_TOKENS"], cu_count)
+
+
+def launch_split_count(capacity: int, batch: int, rows_per_seq: int, block_m: int, block_n: int,
+                       split_tokens: int = 256, cu_count: int | None = None) -> int:
+    """The split count a decode launch uses (for problem models: pass the context as `capacity`):
+    SPLIT_TOKENS > 0 (batch-invariant) -> `invariant_splits`; 0 -> `num_splits` for the CUs.
+    `rows_per_seq`: query rows x heads one sequence puts on the grid's M axis (MLA: q_len x H)."""
+    if split_tokens:
+        return invariant_splits(capacity, split_tokens)
+    return num_splits([capacity] * batch, 1, rows_per_seq, block_m, cu_count=cu_count, block_n=block_n)
 
 
 def _check(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
