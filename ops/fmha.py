@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import kdsl as kd
-from ops._common import config_for
+from ops._common import check_backend, check_tensor, config_for, validating
 from ops.mla import LOG2E, NEG_BIG
 
 _EX = {"T": 4096, "H": 64, "KVH": 64, "DQK": 192, "DA": 128, "DB": 64, "DV": 128, "B1": 2, "B": 1, "MAXLEN": 4096}
@@ -72,9 +72,10 @@ def fmha_prefill(q: kd.In["T", "H", "DQK", kd.bf16], k: kd.In["T", "KVH", "DQK",
 
 # ---------------------------------------------------------------------------------------------
 
-def fmha_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, sm_scale: float
-             ) -> torch.Tensor:
-    """float64 causal varlen attention (GQA by repeating kv heads)."""
+def fmha_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, sm_scale: float,
+             max_seqlen: int | None = None) -> torch.Tensor:
+    """float64 causal varlen attention (GQA by repeating kv heads); rows past `max_seqlen` of a
+    sequence are 0, as in the kernel."""
     T, H, _ = q.shape
     G = H // k.shape[1]
     out = torch.zeros(T, H, v.shape[-1], dtype=torch.float64)
@@ -90,43 +91,69 @@ def fmha_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torc
         n = e - a
         s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
         out[a:e] = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv)
+        if max_seqlen is not None:
+            out[a + max_seqlen:e] = 0
     return out
 
 
 def fmha_prefill_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                         sm_scale: float, rope_dim: int | None = None, max_seqlen: int | None = None,
-                        rtz: bool = False, backend: str = "triton", config: dict[str, Any] | None = None
-                        ) -> torch.Tensor:
+                        rtz: bool = False, backend: str = "triton", config: dict[str, Any] | None = None,
+                        validate: bool | None = None) -> torch.Tensor:
     """Causal prefill over packed sequences -> out [T, H, DV] bf16.
 
-    `rope_dim` is the second part of the qk head dim (64 for MLA's 128+64; None: 64 when the
-    head dim is not a power of two, else 0). `rtz` selects round-toward-zero for the bf16 output
-    unless `config` sets RTZ itself."""
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError("fmha_prefill: q, k, v must be [T, heads, dim]")
+    `rope_dim` is the second part of the qk head dim (64 for MLA's 128+64; None: 0 when the head
+    dim is a power of two, else 64, which needs a head dim above 64); it must lie in [0, head dim).
+    `max_seqlen` (a host int) sizes the grid: None computes it from cu_seqlens (a device read);
+    a value above T is clamped to T; rows of a sequence longer than it are returned as 0 (never
+    uninitialised: the output starts zeroed when the caller's value is used unchecked).
+    `rtz` selects round-toward-zero for the bf16 output unless `config` sets RTZ itself.
+    `validate=True` checks cu_seqlens (rising from 0 to T) and max_seqlen against it (device reads)."""
+    op = "fmha_prefill"
+    check_backend(op, backend)
+    check_tensor(op, "q", q, 3, (torch.bfloat16,), last_contiguous=True)
+    dev = q.device
+    check_tensor(op, "k", k, 3, (torch.bfloat16,), dev, last_contiguous=True)
+    check_tensor(op, "v", v, 3, (torch.bfloat16,), dev, last_contiguous=True)
+    check_tensor(op, "cu_seqlens", cu_seqlens, 1, (torch.int32, torch.int64), dev)
     T, H, DQK = q.shape
     if k.shape[0] != T or v.shape[0] != T or k.shape[2] != DQK or v.shape[1] != k.shape[1]:
         raise ValueError(f"fmha_prefill: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if H < 1 or k.shape[1] < 1 or DQK < 1 or v.shape[2] < 1:
+        raise ValueError(f"fmha_prefill: heads and head dims must be positive, got q {tuple(q.shape)}, v {tuple(v.shape)}")
     if H % k.shape[1]:
         raise ValueError(f"fmha_prefill: q heads {H} must be a multiple of kv heads {k.shape[1]}")
-    if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T or \
-            bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-        raise ValueError(f"fmha_prefill: cu_seqlens must rise from 0 to T={T}, got {cu_seqlens.tolist()}")
-    if backend == "torch":
-        return fmha_ref(q, k, v, cu_seqlens, sm_scale).to(torch.bfloat16)
-    if backend != "triton":
-        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    if cu_seqlens.numel() < 1:
+        raise ValueError("fmha_prefill: cu_seqlens must have B + 1 >= 1 entries")
     if rope_dim is None:
         rope_dim = 0 if DQK & (DQK - 1) == 0 else 64
-    DA = DQK - rope_dim
+        if rope_dim >= DQK:
+            raise ValueError(f"fmha_prefill: head dim {DQK} is not a power of two and not above the default "
+                             f"rope_dim 64: pass rope_dim explicitly")
+    if not isinstance(rope_dim, int) or not 0 <= rope_dim < DQK:
+        raise ValueError(f"fmha_prefill: rope_dim must be an int in [0, head dim {DQK}), got {rope_dim!r}")
+    if max_seqlen is not None and (not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0):
+        raise ValueError(f"fmha_prefill: max_seqlen must be a non-negative int, got {max_seqlen!r}")
     B = cu_seqlens.numel() - 1
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1])
-    maxlen = int(max_seqlen if max_seqlen is not None else (lens.max() if B else 0))
+    if validating(validate) or max_seqlen is None:  # device reads
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"fmha_prefill: cu_seqlens must rise from 0 to T={T}, got {cu}")
+        longest = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+        if max_seqlen is not None and max_seqlen < longest:
+            raise ValueError(f"fmha_prefill: max_seqlen={max_seqlen} is below the longest sequence ({longest})")
+        if max_seqlen is None:
+            max_seqlen = longest
+    if backend == "torch":
+        return fmha_ref(q, k, v, cu_seqlens, sm_scale, max_seqlen).to(torch.bfloat16)
+    DA = DQK - rope_dim
+    maxlen = min(int(max_seqlen), T)
     problem = {"T": T, "H": H, "KVH": k.shape[1], "DQK": DQK, "DA": DA, "DB": rope_dim, "DV": v.shape[-1],
                "B1": B + 1, "B": B, "MAXLEN": maxlen}
     cfg = dict(config_for(fmha_prefill, problem, T, config))
     cfg.setdefault("RTZ", int(rtz))
-    out = torch.empty(T, H, v.shape[-1], dtype=torch.bfloat16, device=q.device)
+    out = torch.zeros(T, H, v.shape[-1], dtype=torch.bfloat16, device=q.device)
     if B and maxlen:
-        fmha_prefill(q, k, v, cu_seqlens.to(torch.int32), out, float(sm_scale), B, maxlen, DA, rope_dim, config=cfg)
+        cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+        fmha_prefill(q, k, v, cu32, out, float(sm_scale), B, maxlen, DA, rope_dim, config=cfg)
     return out

@@ -23,6 +23,7 @@ import torch
 import kdsl as kd
 from autotune import lookup_config
 from ops import quant as Q
+from ops._common import check_tensor, invariant_config
 from ops.packing import unpack_int4
 
 GROUP = 32  # compressed-tensors int4 group along K
@@ -173,111 +174,142 @@ def _backend(name: str, backend: str) -> None:
 
 
 def _dims(name: str, x: torch.Tensor, w: torch.Tensor, k_per_w: int = 1) -> tuple[int, int, int]:
-    if x.dim() != 2 or w.dim() != 2:
-        raise ValueError(f"{name}: x and w must be 2-D, got {tuple(x.shape)} and {tuple(w.shape)}")
+    """Shapes, devices and layout of x [M, K] and w [N, K/k_per_w] (no data read)."""
+    check_tensor(name, "x", x, 2, last_contiguous=True)
+    check_tensor(name, "w", w, 2, device=x.device, last_contiguous=True)
     M, K = x.shape
     N, Kw = w.shape
     if Kw * k_per_w != K:
         raise ValueError(f"{name}: K mismatch: x is [M={M}, K={K}] but w is {tuple(w.shape)}"
                          + (f" (packed, {k_per_w} per word)" if k_per_w > 1 else ""))
+    if N < 1 or K < 1:
+        raise ValueError(f"{name}: N and K must be positive, got x {tuple(x.shape)}, w {tuple(w.shape)}")
     return M, N, K
 
 
-def _run(kernel: kd.Kernel, args: tuple, M: int, N: int, K: int, config: dict | None, device) -> torch.Tensor:
-    if config is None:
-        config = lookup_config(kernel, kd.current_target().name, {"N": N, "K": K}, M)
+def _scales(name: str, xs: torch.Tensor, ws: torch.Tensor, M: int, N: int, device: torch.device) -> None:
+    check_tensor(name, "x_scale", xs, 1, (torch.float32,), device, contiguous=True)
+    check_tensor(name, "w_scale", ws, 1, (torch.float32,), device, contiguous=True)
+    if xs.shape[0] != M or ws.shape[0] != N:
+        raise ValueError(f"{name}: scales must be x_scale [M={M}] and w_scale [N={N}], got "
+                         f"{tuple(xs.shape)} and {tuple(ws.shape)}")
+
+
+def _run(kernel: kd.Kernel, args: tuple, M: int, N: int, K: int, config: dict | None, device,
+         invariant: bool = True) -> torch.Tensor:
+    """Launch with the tuned config of this M (or, `invariant` with a float accumulator (bf16, fp8,
+    W4A16), the M=1 tiles for every M: a row's result then does not depend on the batch; the
+    integer kernels are exact at any tile and keep their per-bucket configs). M=0 launches nothing."""
+    if invariant:
+        config = invariant_config(kernel, {"N": N, "K": K}, M, config)
+    elif config is None:
+        config = lookup_config(kernel, kd.current_target().name, {"N": N, "K": K}, max(M, 1))
     out = torch.empty(M, N, dtype=torch.bfloat16, device=device)
-    kernel(*args, out, config=config)
+    if M:
+        kernel(*args, out, config=config)
     return out
 
 
-def gemm_bf16(x: torch.Tensor, w: torch.Tensor, backend: str = "triton", config: dict | None = None) -> torch.Tensor:
-    """bf16 x [M, K] @ w [N, K]^T -> bf16 [M, N] (f32 accumulate)."""
+def gemm_bf16(x: torch.Tensor, w: torch.Tensor, backend: str = "triton", config: dict | None = None,
+              invariant: bool = True) -> torch.Tensor:
+    """bf16 x [M, K] @ w [N, K]^T -> bf16 [M, N] (f32 accumulate). `invariant` (default): the same
+    tiles at every M, so a row does not depend on the batch."""
     _backend("gemm_bf16", backend)
     M, N, K = _dims("gemm_bf16", x, w)
+    check_tensor("gemm_bf16", "x", x, 2, (torch.bfloat16,))
+    check_tensor("gemm_bf16", "w", w, 2, (torch.bfloat16,))
     if backend == "torch":
         return (x.float() @ w.float().T).to(torch.bfloat16)
-    return _run(gemm_bf16_kernel, (x, w), M, N, K, config, x.device)
+    return _run(gemm_bf16_kernel, (x, w), M, N, K, config, x.device, invariant)
 
 
 def gemm_scaled(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, backend: str = "triton",
-                config: dict | None = None) -> torch.Tensor:
+                config: dict | None = None, invariant: bool = True) -> torch.Tensor:
     """Pre-quantized int8 x int8 or fp8 x fp8 GEMM with per-token xs [M] and per-channel ws [N] scales."""
     name = "gemm_w8a8" if xq.dtype == torch.int8 else "gemm_fp8"
     _backend(name, backend)
     M, N, K = _dims(name, xq, w)
     if xq.dtype != w.dtype:
         raise TypeError(f"{name}: x and w must have one dtype, got {xq.dtype} and {w.dtype}")
+    _scales(name, xs, ws, M, N, xq.device)
     if backend == "torch":
         return gemm_scaled_ref(xq, xs, w, ws)
-    return _run(gemm_w8a8_kernel if xq.dtype == torch.int8 else gemm_fp8_kernel, (xq, xs, w, ws), M, N, K, config, xq.device)
+    return _run(gemm_w8a8_kernel if xq.dtype == torch.int8 else gemm_fp8_kernel, (xq, xs, w, ws), M, N, K, config,
+                xq.device, invariant)
 
 
 def gemm_w4a8(xq: torch.Tensor, xs: torch.Tensor, w_packed: torch.Tensor, ws: torch.Tensor,
-               pack: str = "quark_reorder", backend: str = "triton", config: dict | None = None) -> torch.Tensor:
+               pack: str = "quark_reorder", backend: str = "triton", config: dict | None = None,
+               invariant: bool = True) -> torch.Tensor:
     """int8 x [M, K] (per-token xs) @ int4 w [N, K/8 int32] (per-channel ws) -> bf16 [M, N]."""
     _backend("gemm_w4a8", backend)
     if pack not in W4A8_KERNELS:
         raise ValueError(f"gemm_w4a8: pack must be one of {sorted(W4A8_KERNELS)}, got {pack!r}")
     M, N, K = _dims("gemm_w4a8", xq, w_packed, 8)
+    check_tensor("gemm_w4a8", "x", xq, 2, (torch.int8,))
+    check_tensor("gemm_w4a8", "w", w_packed, 2, (torch.int32,))
+    _scales("gemm_w4a8", xs, ws, M, N, xq.device)
     if backend == "torch":
         return gemm_w4a8_ref(xq, xs, w_packed, ws, pack)
-    return _run(W4A8_KERNELS[pack], (xq, xs, w_packed, ws), M, N, K, config, xq.device)
+    return _run(W4A8_KERNELS[pack], (xq, xs, w_packed, ws), M, N, K, config, xq.device, invariant)
 
 
 def linear_w4a8(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, pack: str = "quark_reorder",
-                backend: str = "triton", config: dict | None = None) -> torch.Tensor:
+                backend: str = "triton", config: dict | None = None, invariant: bool = True) -> torch.Tensor:
     """bf16 x [M, K] -> per-token int8 quantization -> W4A8 GEMM -> bf16 [M, N] (the Kimi W4A8 linear).
     `w_scale` [N] f32 is the per-channel scale (fold a per-tensor scale into it)."""
     xq, xs = Q.quantize_int8(x, backend=backend)
-    return gemm_w4a8(xq, xs, w_packed, w_scale.float(), pack, backend, config)
+    return gemm_w4a8(xq, xs, w_packed, w_scale.float(), pack, backend, config, invariant)
 
 
 def linear_w8a8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, backend: str = "triton",
-                config: dict | None = None) -> torch.Tensor:
+                config: dict | None = None, invariant: bool = True) -> torch.Tensor:
     """bf16 x -> per-token int8 -> int8 x int8 GEMM with per-channel w_scale -> bf16."""
     xq, xs = Q.quantize_int8(x, backend=backend)
-    return gemm_scaled(xq, xs, w, w_scale.float(), backend, config)
+    return gemm_scaled(xq, xs, w, w_scale.float(), backend, config, invariant)
 
 
 def linear_fp8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, backend: str = "triton",
-               config: dict | None = None) -> torch.Tensor:
+               config: dict | None = None, invariant: bool = True) -> torch.Tensor:
     """bf16 x -> per-token fp8 (native flavour) -> fp8 GEMM with per-channel w_scale -> bf16.
     `w` must already be in the native flavour (gfx942: e4m3fnuz, scale doubled; see REFERENCE §3)."""
     xq, xs = Q.quantize_fp8(x, backend=backend)
     if xq.dtype != w.dtype:
         raise TypeError(f"linear_fp8: weight is {w.dtype} but this target computes in {xq.dtype}: convert it first")
-    return gemm_scaled(xq, xs, w, w_scale.float(), backend, config)
+    return gemm_scaled(xq, xs, w, w_scale.float(), backend, config, invariant)
 
 
 def gemm_w4a16(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, backend: str = "triton",
-                config: dict | None = None) -> torch.Tensor:
+                config: dict | None = None, invariant: bool = True) -> torch.Tensor:
     """bf16 x [M, K] @ compressed-tensors int4 w [N, K/8 int32] with bf16 scales [N, K/32] -> bf16 [M, N]."""
     _backend("gemm_w4a16", backend)
     M, N, K = _dims("gemm_w4a16", x, w_packed, 8)
+    check_tensor("gemm_w4a16", "x", x, 2, (torch.bfloat16,))
+    check_tensor("gemm_w4a16", "w", w_packed, 2, (torch.int32,))
+    check_tensor("gemm_w4a16", "w_scale", w_scale, 2, (torch.bfloat16,), x.device, last_contiguous=True)
     if K % GROUP:
         raise ValueError(f"gemm_w4a16: K={K} must be a multiple of the quant group {GROUP}")
     if tuple(w_scale.shape) != (N, K // GROUP):
         raise ValueError(f"gemm_w4a16: w_scale must be [N, K/{GROUP}] = {(N, K // GROUP)}, got {tuple(w_scale.shape)}")
     if backend == "torch":
         return (x.float() @ dequant_w4a16_ref(w_packed, w_scale).float().T).to(torch.bfloat16)
-    return _run(gemm_w4a16_kernel, (x, w_packed, w_scale), M, N, K, config, x.device)
+    return _run(gemm_w4a16_kernel, (x, w_packed, w_scale), M, N, K, config, x.device, invariant)
 
 
 linear_w4a16 = gemm_w4a16
 
 
 def gemm_w8a8(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, backend: str = "triton",
-              config: dict | None = None) -> torch.Tensor:
+              config: dict | None = None, invariant: bool = True) -> torch.Tensor:
     """int8 xq [M, K] (per-token xs) @ int8 w [N, K] (per-channel ws) -> bf16 [M, N]."""
     if xq.dtype != torch.int8:
         raise TypeError(f"gemm_w8a8: x must be int8, got {xq.dtype}")
-    return gemm_scaled(xq, xs, w, ws, backend, config)
+    return gemm_scaled(xq, xs, w, ws, backend, config, invariant)
 
 
 def gemm_fp8(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, backend: str = "triton",
-             config: dict | None = None) -> torch.Tensor:
+             config: dict | None = None, invariant: bool = True) -> torch.Tensor:
     """fp8 xq [M, K] (per-token xs) @ fp8 w [N, K] (per-channel ws) -> bf16 [M, N], native flavour."""
     if not xq.dtype.is_floating_point or xq.element_size() != 1:
         raise TypeError(f"gemm_fp8: x must be an fp8 tensor, got {xq.dtype}")
-    return gemm_scaled(xq, xs, w, ws, backend, config)
+    return gemm_scaled(xq, xs, w, ws, backend, config, invariant)

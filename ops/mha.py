@@ -18,8 +18,10 @@ from typing import Any
 import torch
 
 import kdsl as kd
-from ops._common import check_paged_lengths, config_for
-from ops.mla import LOG2E, MAX_Q_LEN, MAX_SPLITS, _combine_body, num_splits, softmax_init, softmax_step, store_split, visible
+from ops._common import (check_backend, check_paged, check_paged_lengths, check_slots, check_tensor, config_for,
+                         invariant_config, paged_positions, validating)
+from ops.mla import (MAX_Q_LEN, _combine_body, cached_len, softmax_init, softmax_step, split_plan,
+                     split_range, store_split, visible, LOG2E)
 
 _EX = {"B": 1, "QL": 1, "HQ": 64, "KVH": 64, "D": 128, "NP": 4096, "PS": 64, "MP": 128, "S": 8,
        "BS": 8, "QG": 1}
@@ -46,10 +48,8 @@ def _decode_body(q, k_cache, v_cache, block_table, seq_lens, tree, part, lse, sm
     r = mrow // G
     hq = kvh * G + mrow % G
     d = kd.full_range("D")
-    n_len = seq_lens[b]
-    chunk = kd.cdiv(kd.cdiv(n_len, S), BN) * BN
-    start = kd.minimum(split * chunk, n_len)
-    stop = kd.minimum(start + chunk, n_len)
+    n_len = cached_len(seq_lens, b, kd.dim("MP"), PS)
+    start, stop = split_range(n_len, split, QL, BN)
     qt = q[b, r, hq, d]
     base = n_len - QL
     qk_scale = sm_scale * LOG2E
@@ -114,87 +114,118 @@ def mha_cache_append(k_new: kd.In["NT", "KVH", "D", kd.bf16], v_new: kd.In["NT",
 
 # ---------------------------------------------------------------------------------------------
 
-def _check(q, k_cache, v_cache, block_table, seq_lens, tree_mask=None) -> None:
-    if q.dim() != 4:
-        raise ValueError(f"mha_decode: q must be [B, q_len, q_heads, head_dim], got shape {tuple(q.shape)}")
+def _check(q, k_cache, v_cache, block_table, seq_lens, tree_mask, validate: bool) -> None:
+    """Argument rules (shapes, dtypes, devices, layout, host ints); with `validate` also the values."""
+    op = "paged_mha_decode"
+    check_tensor(op, "q", q, 4, (torch.bfloat16,), last_contiguous=True)
+    dev = q.device
     B, QL, HQ, D = q.shape
+    if B < 1 or HQ < 1:
+        raise ValueError(f"{op}: q must have a batch and heads, got shape {tuple(q.shape)}")
     if not 1 <= QL <= MAX_Q_LEN:
         raise ValueError(f"mha_decode: q_len must be 1..{MAX_Q_LEN}, got {QL}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+    check_tensor(op, "k_cache", k_cache, 4, (torch.bfloat16,), dev, last_contiguous=True)
+    check_tensor(op, "v_cache", v_cache, 4, (torch.bfloat16,), dev, last_contiguous=True)
+    if k_cache.shape != v_cache.shape:
         raise ValueError(f"mha_decode: k/v caches must both be [pages, page_size, kv_heads, head_dim], got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if min(k_cache.shape) < 1:
+        raise ValueError(f"{op}: the caches must have pages, a page size and kv heads, got {tuple(k_cache.shape)}")
     if k_cache.shape[-1] != D:
         raise ValueError(f"mha_decode: head dims do not match: q has {D}, cache has {k_cache.shape[-1]}")
     if HQ % k_cache.shape[2]:
         raise ValueError(f"mha_decode: q heads {HQ} must be a multiple of kv heads {k_cache.shape[2]}")
-    check_paged_lengths("mha_decode", block_table, seq_lens, k_cache.shape[1], B, QL)
+    check_paged(op, block_table, seq_lens, B, dev)
     if tree_mask is not None:
-        if tree_mask.dim() != 3 or tree_mask.shape[:2] != (B, QL) or tree_mask.shape[2] < QL:
+        check_tensor(op, "tree_mask", tree_mask, 3, None, dev)
+        if tree_mask.shape[:2] != (B, QL) or tree_mask.shape[2] < QL:
             raise ValueError(f"mha_decode: tree_mask must be [B, q_len, TW] = [{B}, {QL}, >= {QL}], got "
                              f"{tuple(tree_mask.shape)}")
-        TW = tree_mask.shape[2]
-        if int(seq_lens.min()) < TW:
-            raise ValueError(f"mha_decode: the tree window TW={TW} is longer than a sequence ({seq_lens.tolist()})")
-        if not bool(tree_mask[:, :, TW - QL:].diagonal(dim1=1, dim2=2).bool().all()):
-            raise ValueError("mha_decode: tree_mask must mark every row as its own ancestor (diagonal set)")
+    if validate:
+        check_paged_lengths(op, block_table, seq_lens, k_cache.shape[1], B, QL, k_cache.shape[0])
+        if tree_mask is not None:
+            TW = tree_mask.shape[2]
+            if int(seq_lens.min()) < TW:
+                raise ValueError(f"mha_decode: the tree window TW={TW} is longer than a sequence ({seq_lens.tolist()})")
+            if not bool(tree_mask[:, :, TW - QL:].diagonal(dim1=1, dim2=2).bool().all()):
+                raise ValueError("mha_decode: tree_mask must mark every row as its own ancestor (diagonal set)")
 
 
 def mha_decode_ref(q, k_cache, v_cache, block_table, seq_lens, sm_scale: float,
                    tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """float64 reference of paged GQA decode/verify: causal among the new rows, or the tree mask
-    [B, q_len, TW] over the last TW positions (everything before them visible)."""
+    [B, q_len, TW] over the last TW positions (everything before them visible). The kernels'
+    no-op rules: a length is clamped to [0, table capacity]; a token whose table entry is outside
+    [0, num_pages) reads as zeros; a row that sees no token is 0."""
     B, QL, HQ, D = q.shape
     PS, KVH = k_cache.shape[1], k_cache.shape[2]
     G = HQ // KVH
-    out = torch.empty(B, QL, HQ, D, dtype=torch.float64)
+    out = torch.zeros(B, QL, HQ, D, dtype=torch.float64, device=q.device)
     for b in range(B):
-        n = int(seq_lens[b])
-        pos = torch.arange(n)
-        pages = block_table[b].long()[pos // PS]
-        k = k_cache[pages, pos % PS].double().repeat_interleave(G, dim=1)  # [n, HQ, D]
-        v = v_cache[pages, pos % PS].double().repeat_interleave(G, dim=1)
+        pos, pages, ok = paged_positions(block_table, b, int(seq_lens[b]), PS, k_cache.shape[0])
+        n = pos.numel()
+        z = ok[:, None, None]  # a page outside the cache reads 0
+        k = (k_cache[pages, pos % PS].double() * z).repeat_interleave(G, dim=1)  # [n, HQ, D]
+        v = (v_cache[pages, pos % PS].double() * z).repeat_interleave(G, dim=1)
         s = torch.einsum("rhd,nhd->rhn", q[b].double(), k) * sm_scale
         if tree_mask is None:
-            vis = pos[None, :] < (n - QL + torch.arange(QL) + 1)[:, None]
+            vis = pos[None, :] < (n - QL + torch.arange(QL, device=q.device) + 1)[:, None]
         else:
-            wb = n - tree_mask.shape[2]
-            vis = torch.ones(QL, n, dtype=torch.bool)
-            vis[:, wb:] = tree_mask[b].bool()
+            TW = tree_mask.shape[2]
+            wb = n - TW
+            vis = torch.ones(QL, n, dtype=torch.bool, device=q.device)
+            lo = max(wb, 0)
+            vis[:, lo:] = tree_mask[b, :, lo - wb:].bool()
         s = s.masked_fill(~vis[:, None, :], float("-inf"))
-        out[b] = torch.einsum("rhn,nhd->rhd", torch.softmax(s, -1), v)
+        out[b] = torch.einsum("rhn,nhd->rhd", torch.softmax(s, -1).nan_to_num(0.0), v)
     return out
 
 
 def paged_mha_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, sm_scale: float, splits: int | None = None, backend: str = "triton",
-                     config: dict[str, Any] | None = None, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                     config: dict[str, Any] | None = None, tree_mask: torch.Tensor | None = None,
+                     invariant: bool = True, validate: bool | None = None, cu_count: int | None = None
+                     ) -> torch.Tensor:
     """Paged GQA attention of q [B, q_len, q_heads, D] over the cached tokens (the q_len new ones
     included in seq_lens) -> [B, q_len, q_heads, D] bf16. tree_mask [B, q_len, TW] (optional):
     row r sees the positions before the last TW and those of the last TW marked nonzero in row r
-    (diagonal, i.e. the row itself, must be set); None = causal among the new rows."""
-    _check(q, k_cache, v_cache, block_table, seq_lens, tree_mask)
+    (diagonal, i.e. the row itself, must be set); None = causal among the new rows.
+
+    The launch reads no device value (graph-capturable). `invariant` (default): a row's result
+    depends neither on the batch nor on q_len nor on the tree variant (fixed-size KV splits, the
+    q_len-1 decode config's tiles for every launch); False: splits sized for `cu_count` CUs.
+    Out-of-range values are defined no-ops, the same on both backends: a length is clamped to
+    [0, block_table width x page size]; a token whose table entry is outside [0, num_pages) reads
+    as zeros (K = V = 0; never a wrapped index, never memory outside the cache); a row that sees no
+    token is 0. `validate=True` checks the
+    values instead (device reads)."""
+    check_backend("paged_mha_decode", backend)
+    _check(q, k_cache, v_cache, block_table, seq_lens, tree_mask, validating(validate))
     if backend == "torch":
         return mha_decode_ref(q, k_cache, v_cache, block_table, seq_lens, sm_scale, tree_mask).to(q.dtype)
-    if backend != "triton":
-        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     B, QL, HQ, D = q.shape
     KVH = k_cache.shape[2]
     G = HQ // KVH
     kern = mha_decode if tree_mask is None else mha_decode_tree
     # the tuned-config key (autotune/problems.py): head shapes and q_len; batch x q_len is the M bucket
     problem = {"QL": QL, "HQ": HQ, "KVH": KVH, "D": D, "PS": k_cache.shape[1]}
-    cfg = dict(config_for(kern, problem, B * QL, config))
+    if invariant:  # tiles of the causal q_len-1 decode at M=1, for verify and tree steps too
+        cfg = invariant_config(mha_decode, problem, B * QL, config, {**problem, "QL": 1})
+        cfg.setdefault("BLOCK_N", mha_decode.tunables(static={"QL": 1, "D": D})["BLOCK_N"].default)
+    else:
+        cfg = dict(config_for(kern, problem, B * QL, config))
     bm = cfg.get("BLOCK_M", 16)
+    cap = block_table.shape[1] * k_cache.shape[1]
     # programs per sequence: KVH * cdiv(QL*G, BLOCK_M), i.e. "heads" = KVH*BLOCK_M-padded rows
-    bn = cfg.get("BLOCK_N") or kern.tunables(static={"QL": QL, "D": D})["BLOCK_N"].default
-    S = splits if splits is not None else num_splits(seq_lens, 1, KVH * -(-(QL * G) // bm) * bm, bm, block_n=bn)
-    if not 1 <= S <= MAX_SPLITS:
-        raise ValueError(f"mha_decode: splits must be 1..{MAX_SPLITS}, got {S}")
+    S = split_plan(kern, cfg, {"QL": QL, "D": D}, B, cap, KVH * -(-(QL * G) // bm) * bm, bm, splits, invariant,
+                   cu_count, "paged_mha_decode")
     part = torch.empty(B, QL, HQ, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, QL, HQ, S, dtype=torch.float32, device=q.device)
-    args = [q, k_cache, v_cache, block_table.to(torch.int32), seq_lens.to(device=q.device, dtype=torch.int32)]
+    bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    args = [q, k_cache, v_cache, bt, sl]
     if tree_mask is not None:
-        args.append(tree_mask.to(device=q.device, dtype=torch.int8).contiguous())
+        args.append(tree_mask.to(torch.int8).contiguous())
     kern(*args, part, lse, float(sm_scale), QL * G, B * S, config=cfg)
     out = torch.empty(B, QL, HQ, D, dtype=torch.bfloat16, device=q.device)
     ccfg = config_for(mha_decode_combine, {"B": B, "QL": QL, "QH": QL * HQ, "H": HQ, "S": S, "DL": D}, B * QL, None)
@@ -203,15 +234,25 @@ def paged_mha_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-              slots: torch.Tensor, backend: str = "triton", config: dict[str, Any] | None = None) -> None:
-    """Write new K/V rows [NT, kv_heads, D] into the paged caches at slots [NT] (negative = skip)."""
-    if k_new.shape != v_new.shape or k_new.dim() != 3 or k_new.shape[1:] != k_cache.shape[2:]:
+              slots: torch.Tensor, backend: str = "triton", config: dict[str, Any] | None = None,
+              validate: bool | None = None) -> None:
+    """Write new K/V rows [NT, kv_heads, D] into the paged caches at slots [NT].
+
+    A slot < 0 (padding) or >= the caches' capacity is skipped, on both backends (no store; never a
+    wrapped index). `validate=True` refuses a slot past the capacity instead (a device read)."""
+    from ops.mla import _check_append
+
+    check_backend("append_kv", backend)
+    _check_append("append_kv", k_cache, k_new, slots, 4)
+    _check_append("append_kv", v_cache, v_new, slots, 4)
+    if k_new.shape != v_new.shape or k_cache.shape != v_cache.shape or k_new.shape[1:] != k_cache.shape[2:]:
         raise ValueError(f"append_kv: k/v_new must be [NT, {k_cache.shape[2]}, {k_cache.shape[3]}], got "
                          f"{tuple(k_new.shape)} / {tuple(v_new.shape)}")
-    if slots.shape != (k_new.shape[0],):
-        raise ValueError(f"append_kv: slots must be [{k_new.shape[0]}], got {tuple(slots.shape)}")
+    cap = k_cache.shape[0] * k_cache.shape[1]
+    if validating(validate):
+        check_slots("append_kv", slots, cap)
     if backend == "torch":
-        ok = slots >= 0
+        ok = (slots >= 0) & (slots < cap)
         s = slots[ok].long()
         PS = k_cache.shape[1]
         k_cache[s // PS, s % PS] = k_new[ok]
@@ -221,4 +262,5 @@ def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
         return
     cfg = config_for(mha_cache_append, {"NT": k_new.shape[0], "KVH": k_new.shape[1], "D": k_new.shape[2],
                                         "NP": k_cache.shape[0], "PS": k_cache.shape[1]}, k_new.shape[0], config)
-    mha_cache_append(k_new, v_new, slots.to(torch.int64), k_cache, v_cache, config=cfg)
+    sl = slots if slots.dtype == torch.int64 else slots.to(torch.int64)
+    mha_cache_append(k_new.contiguous(), v_new.contiguous(), sl, k_cache, v_cache, config=cfg)

@@ -21,7 +21,8 @@ import torch
 
 import kdsl as kd
 from kdsl.targets import current_target
-from ops._common import check_paged_lengths, config_for
+from ops._common import (check_backend, check_paged, check_paged_lengths, check_slots, check_tensor, config_for,
+                         invariant_config, paged_positions, validating)
 
 LOG2E = 1.4426950408889634
 MAX_Q_LEN = 8
@@ -64,6 +65,34 @@ def store_split(part, lse, idx, cols, m_i, l_i, acc):
     lse[idx] = kd.where(has, m_i + kd.log2(kd.where(has, l_i, 1.0)), float("-inf"))
 
 
+def split_range(n_len, split, QL, BN):
+    """This split's token range [start, stop) of a sequence of n_len cached tokens (QL new).
+
+    SPLIT_TOKENS > 0 (batch-invariant, the default): chunks of a fixed size, SPLIT_TOKENS or, for a
+    context too long for MAX_SPLITS chunks of that size, the context / MAX_SPLITS rounded up to
+    BLOCK_N, where the context is that of the first new row (n_len - QL + 1) plus MAX_Q_LEN - 1: so
+    the boundaries depend on neither the batch, nor the grid's split count, nor q_len (a q_len-4
+    verify's row 0 and the q_len-1 decode of the same context reduce in the same order).
+    SPLIT_TOKENS = 0: the sequence cut into S chunks rounded up to BLOCK_N (fewer splits at large
+    batch, but a row's numerics then follow the batch's split count)."""
+    st = kd.tunable("SPLIT_TOKENS", (0, 128, 256, 512, 1024), 256,
+                    "tokens per KV split (0: the length cut into S splits; numerics then depend on S)", search=False)
+    if st:
+        kd.require(st % BN == 0, "SPLIT_TOKENS must be a multiple of BLOCK_N", "SPLIT_TOKENS")
+        ctx = n_len - QL + MAX_Q_LEN
+        chunk = kd.maximum(kd.cdiv(kd.cdiv(kd.maximum(ctx, 1), MAX_SPLITS), BN) * BN, st)
+    else:
+        chunk = kd.cdiv(kd.cdiv(n_len, kd.dim("S")), BN) * BN
+    start = kd.minimum(split * chunk, n_len)
+    return start, kd.minimum(start + chunk, n_len)
+
+
+def cached_len(seq_lens, b, pages, page_size):
+    """Sequence b's cached length, clamped to [0, table capacity]: positions past the block table
+    do not exist (a defined no-op for a length the table cannot hold)."""
+    return kd.maximum(kd.minimum(seq_lens[b], pages * page_size), 0)
+
+
 def _split_body(q, kv, block_table, seq_lens, tree, part, lse, sm_scale):
     b, mrow, split = kd.grid(kd.each("B"), kd.tile("QH", "BLOCK_M", domain=(16, 32, 64), default=16), kd.each("S"))
     # default 32 (gfx942: 36 KiB LDS, 0 spills, also for the tree variant with its mask tile). Both
@@ -86,11 +115,8 @@ def _split_body(q, kv, block_table, seq_lens, tree, part, lse, sm_scale):
     h = mrow % H
     dl = kd.full_range("DL")
     dr = kd.full_range("DR")
-    n_len = seq_lens[b]
-    # this split's token range: chunks of cdiv(len, S) rounded up to BLOCK_N
-    chunk = kd.cdiv(kd.cdiv(n_len, kd.dim("S")), BN) * BN
-    start = kd.minimum(split * chunk, n_len)
-    stop = kd.minimum(start + chunk, n_len)
+    n_len = cached_len(seq_lens, b, kd.dim("MP"), PS)
+    start, stop = split_range(n_len, split, QL, BN)
     ql = q[b, r, h, dl]
     qr = q[b, r, h, dr + DL]
     base = n_len - QL  # first new token's position
@@ -144,17 +170,24 @@ def mla_decode_split_tree(q: kd.In["B", "QL", "H", "DQ", kd.bf16], kv: kd.In["NP
 
 
 def _combine_body(part, lse, out):
+    """Merge a row's splits one at a time in split order (an online log-sum-exp): an empty split
+    (lse -inf, partial 0) leaves the running state bit for bit unchanged, so a row's result does
+    not depend on how many (empty) splits the grid had beyond its own."""
     b, qh, d = kd.grid(kd.each("B"), kd.each("QH"), kd.tile("DL", "BLOCK_D", domain=(64, 128, 256, 512), default=512))
     H = kd.dim("H")
     r = qh // H
     h = qh % H
-    s = kd.full_range("S")
-    ls = lse.load(b, r, h, s, other=float("-inf"))
-    m = kd.max(ls, axis=s)
-    w = kd.exp2(ls - m)
-    den = kd.sum(w, axis=s)
-    o = kd.sum(part[b, r, h, s, d] * w, axis=s)
-    out[b, r, h, d] = o / den
+
+    def merge(s, m_i, l_i, acc):
+        ls = lse[b, r, h, s]
+        m_new = kd.maximum(m_i, kd.max(ls, axis=s))
+        alpha = kd.exp2(m_i - m_new)
+        w = kd.exp2(kd.max(ls, axis=s) - m_new)
+        return m_new, l_i * alpha + w, acc * alpha + kd.sum(part[b, r, h, s, d], axis=s) * w
+
+    init = (kd.full((d,), NEG_BIG, kd.f32), kd.zeros((d,), kd.f32), kd.zeros((d,), kd.f32))
+    m_i, l_i, acc = kd.fold(kd.tiles("S", block=1, label="s"), init, merge)
+    out[b, r, h, d] = acc / kd.where(l_i > 0, l_i, 1.0)
 
 
 _CEX = {"B": 1, "QL": 1, "QH": 64, "H": 64, "S": 8, "DL": 512}
@@ -188,18 +221,33 @@ def mla_cache_append(new: kd.In["NT", "DQ", kd.bf16], slots: kd.In["NT", kd.i64]
 # ---------------------------------------------------------------------------------------------
 # host side
 
-def num_splits(seq_lens: torch.Tensor | list[int], q_len: int, heads: int, block_m: int = 16,
+def invariant_splits(capacity: int, split_tokens: int = 256, max_splits: int = MAX_SPLITS) -> int:
+    """The grid's split count of a batch-invariant launch (SPLIT_TOKENS > 0): enough fixed-size
+    chunks for the table's capacity (block-table width x page size, a host int), at most
+    `max_splits` (longer contexts then get longer chunks, see `split_range`). It depends on neither
+    the batch, nor q_len, nor the CU count, and the kernels make a row's numerics independent of it."""
+    return int(max(1, min(max_splits, -(-max(capacity, 1) // split_tokens))))
+
+
+def num_splits(seq_lens: torch.Tensor | list[int] | int, q_len: int, heads: int, block_m: int = 16,
                cu_count: int | None = None, block_n: int = 32, min_tokens_per_split: int = 256,
                max_splits: int = MAX_SPLITS) -> int:
-    """Number of KV splits for one launch.
+    """Number of KV splits of a launch that is not batch-invariant (`invariant=False`).
 
     Without splitting the grid has B * cdiv(q_len*H, BLOCK_M) programs; decode at small batch
     leaves most CUs idle, so split each sequence until there are about two programs per CU, but
     never below `min_tokens_per_split` tokens per split of the longest sequence (the combine and
     the per-split q load cost about that much), and at most `max_splits` (the combine holds all
     splits of a row in one tile). Shorter sequences in the batch get fewer non-empty splits,
-    because each sequence cuts its own length into S chunks rounded up to BLOCK_N."""
-    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+    because each sequence cuts its own length into S chunks rounded up to BLOCK_N.
+    `seq_lens`: the lengths (a list, or a tensor: a device read, not for launch paths) or
+    (batch, longest length) as `[n] * batch`; the ops pass the table capacity, a host int."""
+    if isinstance(seq_lens, torch.Tensor):
+        lens = seq_lens.tolist()
+    elif isinstance(seq_lens, int):
+        lens = [seq_lens]
+    else:
+        lens = list(seq_lens)
     if not lens:
         return 1
     if cu_count is None:
@@ -210,47 +258,92 @@ def num_splits(seq_lens: torch.Tensor | list[int], q_len: int, heads: int, block
     return int(max(1, min(want, by_len, max_splits)))
 
 
+def split_plan(kern: Any, cfg: dict[str, Any], static: dict[str, int], batch: int, capacity: int, heads_rows: int,
+               block_m: int, splits: int | None, invariant: bool, cu_count: int | None, op: str) -> int:
+    """The split count S of a decode launch and the SPLIT_TOKENS the kernel runs with (set in
+    `cfg`): from host ints only (the table capacity, the batch, the CU count), never from the
+    lengths on the device. An explicit `splits` cuts each sequence into that many chunks (the
+    kernel's SPLIT_TOKENS=0 mode) unless `cfg` sets SPLIT_TOKENS itself."""
+    tun = kern.tunables(static=static)
+    bn = cfg.get("BLOCK_N", tun["BLOCK_N"].default)
+    if splits is not None:
+        if not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
+            raise ValueError(f"{op}: splits must be an int in 1..{MAX_SPLITS}, got {splits!r}")
+        cfg.setdefault("SPLIT_TOKENS", 0)
+        st = cfg["SPLIT_TOKENS"]
+        if st and splits < invariant_splits(capacity, st):
+            raise ValueError(f"{op}: splits={splits} is below the {invariant_splits(capacity, st)} chunks of "
+                             f"SPLIT_TOKENS={st} that a {capacity}-token table needs")
+        return splits
+    if invariant:
+        cfg.setdefault("SPLIT_TOKENS", tun["SPLIT_TOKENS"].default)
+    else:
+        cfg["SPLIT_TOKENS"] = 0
+    return launch_split_count(capacity, batch, heads_rows, block_m, bn, cfg["SPLIT_TOKENS"], cu_count)
+
+
+def launch_split_count(capacity: int, batch: int, rows_per_seq: int, block_m: int, block_n: int,
+                       split_tokens: int = 256, cu_count: int | None = None) -> int:
+    """The split count a decode launch uses (for problem models: pass the context as `capacity`):
+    SPLIT_TOKENS > 0 (batch-invariant) -> `invariant_splits`; 0 -> `num_splits` for the CUs.
+    `rows_per_seq`: query rows x heads one sequence puts on the grid's M axis (MLA: q_len x H)."""
+    if split_tokens:
+        return invariant_splits(capacity, split_tokens)
+    return num_splits([capacity] * batch, 1, rows_per_seq, block_m, cu_count=cu_count, block_n=block_n)
+
+
 def _check(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-           latent_dim: int, tree_mask: torch.Tensor | None) -> None:
-    if q.dim() != 4:
-        raise ValueError(f"mla_decode: q must be [B, q_len, H, DL+DR], got shape {tuple(q.shape)}")
+           latent_dim: int, tree_mask: torch.Tensor | None, validate: bool) -> None:
+    """Argument rules (shapes, dtypes, devices, layout, host ints); with `validate` also the values."""
+    op = "mla_decode"
+    check_tensor(op, "q", q, 4, (torch.bfloat16,), last_contiguous=True)
+    dev = q.device
     B, QL, H, DQ = q.shape
+    if B < 1 or H < 1:
+        raise ValueError(f"mla_decode: q must have a batch and heads, got shape {tuple(q.shape)}")
     if not 1 <= QL <= MAX_Q_LEN:
         raise ValueError(f"mla_decode: q_len must be 1..{MAX_Q_LEN}, got {QL}")
-    if kv.dim() != 3 or kv.shape[-1] != DQ:
+    check_tensor(op, "kv_cache", kv, 3, (torch.bfloat16,), dev, last_contiguous=True)
+    if kv.shape[-1] != DQ:
         raise ValueError(f"mla_decode: head dims do not match: q has {DQ} (latent+rope) per head, "
                          f"cache is {tuple(kv.shape)} (want [pages, page_size, {DQ}])")
-    if not 0 < latent_dim < DQ:
+    if kv.shape[0] < 1 or kv.shape[1] < 1:
+        raise ValueError(f"mla_decode: kv_cache must have pages and a page size, got {tuple(kv.shape)}")
+    if not isinstance(latent_dim, int) or not 0 < latent_dim < DQ:
         raise ValueError(f"mla_decode: latent_dim {latent_dim} must be in (0, {DQ})")
-    check_paged_lengths("mla_decode", block_table, seq_lens, kv.shape[1], B, QL)
+    check_paged(op, block_table, seq_lens, B, dev)
     if tree_mask is not None:
+        check_tensor(op, "tree_mask", tree_mask, 3, None, dev)
         if tree_mask.shape != (B, QL, QL):
             raise ValueError(f"mla_decode: tree_mask must be [B, q_len, q_len] = {(B, QL, QL)}, got {tuple(tree_mask.shape)}")
-        if not bool(torch.diagonal(tree_mask, dim1=1, dim2=2).bool().all()):
+    if validate:
+        check_paged_lengths(op, block_table, seq_lens, kv.shape[1], B, QL, kv.shape[0])
+        if tree_mask is not None and not bool(torch.diagonal(tree_mask, dim1=1, dim2=2).bool().all()):
             raise ValueError("mla_decode: tree_mask must mark every row as its own ancestor (diagonal set)")
 
 
 def mla_decode_ref(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                    sm_scale: float, latent_dim: int = 512, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """float64 reference: gather each sequence's tokens through the block table, mask, softmax."""
+    """float64 reference: gather each sequence's tokens through the block table, mask, softmax.
+    The kernels' no-op rules: a length is clamped to [0, table capacity]; a token whose table
+    entry is outside [0, num_pages) reads as zeros; a row that sees no token is 0."""
     B, QL, H, DQ = q.shape
     PS = kv.shape[1]
-    out = torch.empty(B, QL, H, latent_dim, dtype=torch.float64)
+    out = torch.zeros(B, QL, H, latent_dim, dtype=torch.float64, device=q.device)
     for b in range(B):
-        n = int(seq_lens[b])
-        pos = torch.arange(n)
-        pages = block_table[b].long()[pos // PS]
-        k = kv[pages, pos % PS].double()  # [n, DQ]
+        pos, pages, ok = paged_positions(block_table, b, int(seq_lens[b]), PS, kv.shape[0])
+        n = pos.numel()
+        k = kv[pages, pos % PS].double() * ok[:, None]  # [n, DQ]; a page outside the cache reads 0
         s = torch.einsum("rhd,nd->rhn", q[b].double(), k) * sm_scale
         base = n - QL
-        rows = torch.arange(QL)
+        rows = torch.arange(QL, device=q.device)
         if tree_mask is None:
             vis = pos[None, :] < (base + rows + 1)[:, None]
         else:
-            j = (pos - base).clamp(min=0)
+            j = (pos - base).clamp(min=0, max=QL - 1)
             vis = (pos[None, :] < base) | (tree_mask[b].bool()[:, j] & (pos >= base)[None, :])
         s = s.masked_fill(~vis[:, None, :], float("-inf"))
-        p = torch.softmax(s, -1)
+        p = torch.softmax(s, -1).nan_to_num(0.0)  # a row that sees nothing: 0
         out[b] = torch.einsum("rhn,nd->rhd", p, k[:, :latent_dim])
     return out
 
@@ -258,18 +351,26 @@ def mla_decode_ref(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                sm_scale: float, latent_dim: int = 512, tree_mask: torch.Tensor | None = None,
                splits: int | None = None, out_dtype: torch.dtype = torch.bfloat16, backend: str = "triton",
-               config: dict[str, Any] | None = None) -> torch.Tensor:
+               config: dict[str, Any] | None = None, invariant: bool = True, validate: bool | None = None,
+               cu_count: int | None = None) -> torch.Tensor:
     """MLA decode/verify: q [B, q_len, H, latent+rope] over the paged latent cache -> [B, q_len, H, latent].
 
     seq_lens count every cached token including the q_len new ones (append them first with
-    `append_latent`). `splits` overrides the host choice (`num_splits`)."""
-    _check(q, kv_cache, block_table, seq_lens, latent_dim, tree_mask)
-    if backend == "torch":
-        return mla_decode_ref(q, kv_cache, block_table, seq_lens, sm_scale, latent_dim, tree_mask).to(out_dtype)
-    if backend != "triton":
-        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    `append_latent`). The launch reads no device value (graph-capturable): the split count comes
+    from host ints. `invariant` (default): a row's result depends neither on the batch nor on
+    q_len (fixed-size KV splits, one reduction config shared by decode and verify, see
+    `split_range`); False: splits sized to fill `cu_count` CUs (default: the target's).
+    `splits` overrides the split count. Out-of-range values are defined no-ops, the same on both
+    backends: a length is clamped to [0, block_table width x page size]; a token whose table entry
+    is outside [0, num_pages) reads as zeros (K = V = 0: a score of 0 and no value; never a wrapped
+    index, never memory outside the cache); a row that sees no token is 0.
+    `validate=True` (or `ops._common.set_validate`) checks those values instead (device reads)."""
+    check_backend("mla_decode", backend)
+    _check(q, kv_cache, block_table, seq_lens, latent_dim, tree_mask, validating(validate))
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"mla_decode: out_dtype must be bf16 or f32, got {out_dtype}")
+    if backend == "torch":
+        return mla_decode_ref(q, kv_cache, block_table, seq_lens, sm_scale, latent_dim, tree_mask).to(out_dtype)
     B, QL, H, DQ = q.shape
     DR = DQ - latent_dim
     kern = mla_decode_split if tree_mask is None else mla_decode_split_tree
@@ -277,16 +378,19 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     # bucket; batch, table width and context length are not part of it. The tree variant runs the
     # causal kernel's config: same tiles, same summation order as a chain verify of that q_len.
     problem = {"QL": QL, "H": H, "DL": latent_dim, "DR": DR, "PS": kv_cache.shape[1]}
-    cfg = dict(config_for(mla_decode_split, problem, B * QL, config))
+    if invariant:  # every numerics key from the q_len-1, M=1 decode config
+        cfg = invariant_config(mla_decode_split, problem, B * QL, config, {**problem, "QL": 1})
+    else:
+        cfg = dict(config_for(mla_decode_split, problem, B * QL, config))
     bm = cfg.get("BLOCK_M", 16)
-    S = splits if splits is not None else num_splits(seq_lens, QL, H, bm, block_n=cfg.get("BLOCK_N", 32))
-    if not 1 <= S <= MAX_SPLITS:
-        raise ValueError(f"mla_decode: splits must be 1..{MAX_SPLITS}, got {S}")
+    cap = block_table.shape[1] * kv_cache.shape[1]
+    S = split_plan(mla_decode_split, cfg, {"QL": QL, "DL": latent_dim, "DR": DR}, B, cap, QL * H, bm, splits,
+                   invariant, cu_count, "mla_decode")
     part = torch.empty(B, QL, H, S, latent_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, QL, H, S, dtype=torch.float32, device=q.device)
-    bt = block_table.to(torch.int32)
-    sl = seq_lens.to(device=q.device, dtype=torch.int32)
-    args = [q, kv_cache, bt, sl] + ([tree_mask.to(torch.int8)] if tree_mask is not None else [])
+    bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    args = [q, kv_cache, bt, sl] + ([tree_mask.to(torch.int8).contiguous()] if tree_mask is not None else [])
     kern(*args, part, lse, float(sm_scale), QL * H, DR, config=cfg)
     out = torch.empty(B, QL, H, latent_dim, dtype=out_dtype, device=q.device)
     ck = mla_decode_combine if out_dtype == torch.bfloat16 else mla_decode_combine_f32
@@ -295,19 +399,32 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     return out
 
 
-def append_latent(kv_cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor, backend: str = "triton",
-                  config: dict[str, Any] | None = None) -> None:
-    """Write new latent entries [NT, DL+DR] into the paged cache at slots [NT] (page*page_size + offset;
-    negative = skip)."""
-    if new.dim() != 2 or new.shape[-1] != kv_cache.shape[-1]:
-        raise ValueError(f"append_latent: new must be [NT, {kv_cache.shape[-1]}], got {tuple(new.shape)}")
+def _check_append(op: str, cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor, cache_dims: int) -> None:
+    check_tensor(op, "cache", cache, cache_dims, (torch.bfloat16,))
+    dev = cache.device
+    check_tensor(op, "new", new, cache_dims - 1, (torch.bfloat16,), dev)
+    check_tensor(op, "slots", slots, 1, (torch.int32, torch.int64), dev)
+    if not cache.is_contiguous():
+        raise ValueError(f"{op}: the cache must be contiguous (it is written in place)")
     if slots.shape != (new.shape[0],):
-        raise ValueError(f"append_latent: slots must be [{new.shape[0]}], got {tuple(slots.shape)}")
+        raise ValueError(f"{op}: slots must be [{new.shape[0]}], got {tuple(slots.shape)}")
+
+
+def append_latent(kv_cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor, backend: str = "triton",
+                  config: dict[str, Any] | None = None, validate: bool | None = None) -> None:
+    """Write new latent entries [NT, DL+DR] into the paged cache at slots [NT] (page*page_size + offset).
+
+    A slot < 0 (padding) or >= the cache's capacity is skipped, on both backends (no store; never a
+    wrapped index). `validate=True` refuses a slot past the capacity instead (a device read)."""
+    check_backend("append_latent", backend)
+    _check_append("append_latent", kv_cache, new, slots, 3)
+    if new.shape[-1] != kv_cache.shape[-1]:
+        raise ValueError(f"append_latent: new must be [NT, {kv_cache.shape[-1]}], got {tuple(new.shape)}")
     cap = kv_cache.shape[0] * kv_cache.shape[1]
-    if slots.numel() and int(slots.max()) >= cap:
-        raise ValueError(f"append_latent: slot {int(slots.max())} is beyond the cache ({cap} slots)")
+    if validating(validate):
+        check_slots("append_latent", slots, cap)
     if backend == "torch":
-        ok = slots >= 0
+        ok = (slots >= 0) & (slots < cap)
         s = slots[ok].long()
         kv_cache[s // kv_cache.shape[1], s % kv_cache.shape[1]] = new[ok]
         return
@@ -315,4 +432,5 @@ def append_latent(kv_cache: torch.Tensor, new: torch.Tensor, slots: torch.Tensor
         return
     cfg = config_for(mla_cache_append, {"NT": new.shape[0], "DQ": new.shape[1], "NP": kv_cache.shape[0],
                                         "PS": kv_cache.shape[1]}, new.shape[0], config)
-    mla_cache_append(new, slots.to(torch.int64), kv_cache, config=cfg)
+    sl = slots if slots.dtype == torch.int64 else slots.to(torch.int64)
+    mla_cache_append(new.contiguous(), sl, kv_cache, config=cfg)

@@ -26,6 +26,10 @@ Pipeline of `fused_moe` (backend="triton"):
    tiles itself (one launch less, but ~2x the main-loop VALU: every wave re-quantizes the A tile).
    The routing weight is applied and the top-k rows are summed per token either by `kd.atomic_add` into an f32 [M, H] buffer (REDUCE="atomic") or by storing a
    partial [T, H] buffer reduced by `moe_sum` (REDUCE="partial"); REDUCE is a tunable of stage 2.
+   Batch-invariant mode (`invariant=True`, the default) always uses "partial" (a fixed summation
+   order) and the M=1 tiles of every float-accumulating kernel (gate GEMM, bf16 / W4A16 stages;
+   W4A8 stages are exact in i32 and keep their tuned tiles), so a token's output does not depend
+   on the batch.
 6. Shared expert: plain torch (bf16 GEMMs, f32 SiLU) — noted; output = routed (f32) + shared, cast to bf16.
 
 Weight formats (`MoEWeights.fmt`):
@@ -43,7 +47,7 @@ import torch
 
 import kdsl as kd
 
-from ops._common import config_for
+from ops._common import check_backend, check_tensor, config_for, invariant_config
 from ops.quant import MIN_ABSMAX, _round_rne, quant_per_token_int8_ref, quantize_int8
 
 NEG_INF = float("-inf")
@@ -86,12 +90,22 @@ def moe_gate_gemm(x: kd.In["M", "H", kd.bf16], wg: kd.In["E", "H", kd.bf16], par
     part[s, m, e] = acc
 
 
-@kd.kernel(static=("E", "TOPK", "NG", "TOPKG", "NORM", "SPLIT"),
-           example={"M": 1, "E": 384, "TOPK": 8, "NG": 1, "TOPKG": 1, "NORM": 1, "SPLIT": 14})
+SCORING = {"sigmoid": 0, "softmax": 1}
+
+
+def _finite_or_neg_inf(v):
+    """NaN -> -inf (a NaN score never wins, never makes an id invalid); +-inf are kept."""
+    return kd.where(v == v, v, NEG_INF)
+
+
+@kd.kernel(static=("E", "TOPK", "NG", "TOPKG", "NORM", "SPLIT", "SOFTMAX"),
+           example={"M": 1, "E": 384, "TOPK": 8, "NG": 1, "TOPKG": 1, "NORM": 1, "SPLIT": 14, "SOFTMAX": 0})
 def moe_route(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", kd.f32],
               ids: kd.Out["M", "TOPK", kd.i32], wts: kd.Out["M", "TOPK", kd.f32],
-              NG: kd.Dim, TOPKG: kd.Dim, NORM: kd.Dim, scale: kd.Scalar[kd.f32]):
-    """noaux_tc routing for one token per program: sigmoid scores, biased group-limited top-k."""
+              NG: kd.Dim, TOPKG: kd.Dim, NORM: kd.Dim, SOFTMAX: kd.Dim, scale: kd.Scalar[kd.f32]):
+    """noaux_tc routing for one token per program: sigmoid (or softmax) scores, biased
+    group-limited top-k. Every id is in [0, E) whatever the scores: a NaN selection score counts
+    as -inf and ties (including all -inf) go to the lowest id not yet chosen."""
     (m,) = kd.grid(kd.each("M"))
     E, K, ng, tkg = kd.static("E"), kd.static("TOPK"), kd.static("NG"), kd.static("TOPKG")
     kd.require(E % ng == 0, "E must be a multiple of n_group", "NG")
@@ -102,26 +116,35 @@ def moe_route(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", kd.f32]
     valid = (g < ng) & (j < eg)
     sp = kd.full_range("SPLIT")
     logits = kd.sum(logits[sp, m, e], axis=sp)  # fixed order: deterministic
-    scores = kd.sigmoid(logits)
-    sel = kd.where(valid, scores + bias[e], NEG_INF)
+    if kd.static("SOFTMAX"):
+        lv = kd.where(valid, logits, NEG_INF)
+        mx0 = kd.max(kd.max(lv, axis=j), axis=g)
+        ex = kd.where(valid, kd.exp(lv - mx0), 0.0)
+        scores = ex / kd.sum(kd.sum(ex, axis=j), axis=g)
+    else:
+        scores = kd.sigmoid(logits)
+    sel = kd.where(valid, _finite_or_neg_inf(scores + bias[e]), NEG_INF)
     if ng > 1:  # group score = sum of the top-2 biased scores of the group; keep topk_group groups
         top1 = kd.max(sel, axis=j)
         i1 = kd.min(kd.where(sel == top1, j, BIG), axis=j)
         top2 = kd.max(kd.where(j == i1, NEG_INF, sel), axis=j)
-        gs = kd.where(g < ng, top1 + top2, NEG_INF)
+        gs = kd.where(g < ng, _finite_or_neg_inf(top1 + top2), NEG_INF)  # inf + -inf: -inf
+        gfree = g < ng
         keep = kd.zeros((g,), kd.i32)
         for _ in range(tkg):
-            gi = kd.min(kd.where(gs == kd.max(gs, axis=g), g, BIG), axis=g)
+            gm = kd.max(kd.where(gfree, gs, NEG_INF), axis=g)
+            gi = kd.min(kd.where(gfree & (gs == gm), g, BIG), axis=g)
             keep = kd.where(g == gi, 1, keep)
-            gs = kd.where(g == gi, NEG_INF, gs)
+            gfree = gfree & (g != gi)
         sel = kd.where(keep > 0, sel, NEG_INF)
+    free = valid
     chosen, weights = [], []
     for _ in range(K):
-        mx = kd.max(kd.max(sel, axis=j), axis=g)
-        idx = kd.min(kd.min(kd.where(sel == mx, e, BIG), axis=j), axis=g)
+        mx = kd.max(kd.max(kd.where(free, sel, NEG_INF), axis=j), axis=g)
+        idx = kd.min(kd.min(kd.where(free & (sel == mx), e, BIG), axis=j), axis=g)
         weights.append(kd.sum(kd.sum(kd.where(e == idx, scores, 0.0), axis=j), axis=g))
         chosen.append(idx)
-        sel = kd.where(e == idx, NEG_INF, sel)
+        free = free & (e != idx)
     denom = weights[0]
     for w in weights[1:]:
         denom = denom + w
@@ -131,20 +154,27 @@ def moe_route(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", kd.f32]
         wts[m, i] = weights[i] * mult
 
 
+def _pick(sel: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest per row, ties (-inf included) to the lowest index: a stable sort."""
+    return torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
 def moe_route_ref(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int = 1,
-                  topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of `moe_route`: (ids int32 [M, k], weights f32 [M, k])."""
-    scores = torch.sigmoid(x.float() @ wg.float().t())
-    sel = scores + bias.float()[None]
+                  topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+                  scoring_func: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of `moe_route`: (ids int32 [M, k], weights f32 [M, k]), the same selection
+    rules (NaN selection scores are -inf, ties to the lowest id)."""
+    logits = x.float() @ wg.float().t()
+    scores = torch.sigmoid(logits) if scoring_func == "sigmoid" else torch.softmax(logits, -1)
+    sel = (scores + bias.float()[None]).nan_to_num(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
     M, E = scores.shape
     if n_group > 1:
         gsel = sel.view(M, n_group, E // n_group)
-        gscore = gsel.topk(2, dim=-1).values.sum(-1)
-        gidx = gscore.topk(topk_group, dim=-1).indices
-        gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gidx, True)
+        top2 = torch.gather(gsel, 2, _pick(gsel.reshape(M * n_group, -1), 2).view(M, n_group, 2))
+        gscore = (top2[..., 0] + top2[..., 1]).nan_to_num(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
+        gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, _pick(gscore, topk_group), True)
         sel = sel.masked_fill(~gmask.repeat_interleave(E // n_group, dim=1), NEG_INF)
-    ids = sel.topk(top_k, dim=-1).indices
+    ids = _pick(sel, top_k)
     w = scores.gather(1, ids)
     if norm_topk_prob:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
@@ -153,15 +183,30 @@ def moe_route_ref(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: 
 
 def route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int = 1,
           topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
-          backend: str = "triton", config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert ids and combine weights per token (noaux_tc). `config`: {"gate": {...}, "route": {...}}."""
+          backend: str = "triton", config: dict | None = None, scoring_func: str = "sigmoid",
+          invariant: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ids and combine weights per token (noaux_tc). `config`: {"gate": {...}, "route": {...}}.
+
+    Guarantee: every id is in [0, E) and a token's ids are distinct, whatever the input (NaN or
+    Inf hidden rows or weights): a NaN selection score counts as -inf, ties go to the lowest id.
+    The weights of such a token may be NaN; the ids need no further check (`fused_experts(...,
+    check_ids=False)`). `scoring_func`: "sigmoid" (DeepSeek-V3 / Kimi) or "softmax" (scores are
+    the softmax over all experts; selection and weights as for sigmoid). `invariant` (default):
+    the gate GEMM's tiles come from the M=1 config so a token's logits do not depend on the batch
+    (the split over H is fixed by H alone). No device read on either backend's launch path."""
+    check_backend("route", backend)
+    check_tensor("route", "x", x, 2, (torch.bfloat16, torch.float16, torch.float32))
     M, H = x.shape
+    check_tensor("route", "router weight", wg, 2, (torch.bfloat16, torch.float16, torch.float32), x.device)
+    check_tensor("route", "e_score_correction_bias", bias, 1, (torch.float32, torch.bfloat16, torch.float16), x.device)
     E = wg.shape[0]
     if wg.shape[1] != H:
         raise ValueError(f"route: router weight must be [E, H={H}], got {tuple(wg.shape)}")
+    if E < 1 or H < 1:
+        raise ValueError(f"route: needs at least one expert and a hidden size, got router weight {tuple(wg.shape)}")
     if bias.shape != (E,):
         raise ValueError(f"route: e_score_correction_bias must be [E={E}], got {tuple(bias.shape)}")
-    if not 1 <= top_k <= E:
+    if not isinstance(top_k, int) or not 1 <= top_k <= E:
         raise ValueError(f"route: top_k={top_k} must be in [1, n_experts={E}]")
     if n_group < 1 or E % n_group:
         raise ValueError(f"route: n_group={n_group} must divide n_experts={E}")
@@ -169,19 +214,32 @@ def route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_g
         raise ValueError(f"route: topk_group={topk_group} must be in [1, n_group={n_group}]")
     if n_group > 1 and top_k > topk_group * (E // n_group):
         raise ValueError(f"route: top_k={top_k} exceeds the experts in topk_group={topk_group} groups")
+    if n_group > 1 and E // n_group < 2:
+        raise ValueError(f"route: group-limited routing needs at least 2 experts per group (top-2 group score), "
+                         f"got n_experts={E}, n_group={n_group}")
+    if scoring_func not in SCORING:
+        raise ValueError(f"route: scoring_func must be one of {sorted(SCORING)}, got {scoring_func!r}")
     if backend == "torch":
-        return moe_route_ref(x, wg, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
-    _check_backend(backend)
+        return moe_route_ref(x, wg, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+                             scoring_func)
     ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
     wts = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
+    if M == 0:
+        return ids, wts
     split = route_split(H)
     part = torch.empty(split, M, E, dtype=torch.float32, device=x.device)
     config = config or {}
-    cfg_g = config_for(moe_gate_gemm, {"E": E, "H": H}, M, config.get("gate"))
-    moe_gate_gemm(x.to(torch.bfloat16).contiguous(), wg.to(torch.bfloat16).contiguous(), part, config=cfg_g)
+    if invariant:
+        cfg_g = invariant_config(moe_gate_gemm, {"E": E, "H": H}, M, config.get("gate"))
+    else:
+        cfg_g = config_for(moe_gate_gemm, {"E": E, "H": H}, M, config.get("gate"))
+    xb = x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
+    wb = wg if wg.dtype == torch.bfloat16 and wg.is_contiguous() else wg.to(torch.bfloat16).contiguous()
+    moe_gate_gemm(xb, wb, part, config=cfg_g)
     cfg = config_for(moe_route, {"E": E, "TOPK": top_k}, M, config.get("route"))
-    moe_route(part, bias.float().contiguous(), ids, wts, n_group, topk_group,
-              int(bool(norm_topk_prob)), float(routed_scaling_factor), config=cfg)
+    bf = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
+    moe_route(part, bf, ids, wts, n_group, topk_group, int(bool(norm_topk_prob)), SCORING[scoring_func],
+              float(routed_scaling_factor), config=cfg)
     return ids, wts
 
 
@@ -236,7 +294,8 @@ def moe_align_scatter(ids: kd.In["T", kd.i32], pstart: kd.In["E", kd.i32], sorte
 
     rank = kd.fold(kd.tiles("T", block="BLOCK_U", domain=(16, 32, 64), default=32, label="u"),
                    kd.zeros((t,), kd.i32), body)
-    sorted_ids[pstart[et] + rank] = t
+    # a row whose expert id is outside [0, E) is in no block (a no-op: it adds nothing to its token)
+    sorted_ids.store(pstart[et] + rank, value=t, mask=(et >= 0) & (et < kd.dim("E")))
 
 
 def moe_align(ids: torch.Tensor, n_experts: int, block_m: int, backend: str = "triton", check: bool = True
@@ -248,11 +307,15 @@ def moe_align(ids: torch.Tensor, n_experts: int, block_m: int, backend: str = "t
     backend="triton": two kdsl kernels (moe_align_blocks, moe_align_scatter) after a sentinel fill;
     "torch": the same result with torch ops (bincount, stable argsort)."""
     _check_backend(backend)
+    check_tensor("moe_align", "ids", ids, None, (torch.int32, torch.int64))
     flat = ids.reshape(-1).long()
     T = flat.numel()
     if check and T and (int(flat.min()) < 0 or int(flat.max()) >= n_experts):  # a host sync: skippable
         raise ValueError(f"moe_align: expert ids must lie in [0, {n_experts}), got [{int(flat.min())}, {int(flat.max())}]")
     nb = -(-T // block_m) + min(n_experts, T)
+    if T == 0:
+        return (torch.empty(0, dtype=torch.int32, device=ids.device),
+                torch.empty(0, dtype=torch.int32, device=ids.device))
     if backend == "triton":
         flat32 = ids.reshape(-1).to(torch.int32).contiguous()
         pstart = torch.empty(n_experts, dtype=torch.int32, device=ids.device)
@@ -261,15 +324,20 @@ def moe_align(ids: torch.Tensor, n_experts: int, block_m: int, backend: str = "t
         moe_align_blocks(flat32, pstart, bexp, block_m)
         moe_align_scatter(flat32, pstart, sorted_ids)
         return sorted_ids, bexp
-    counts = torch.bincount(flat, minlength=n_experts)
+    ok = (flat >= 0) & (flat < n_experts)  # an id outside [0, E) is in no block (as in the kernels)
+    key = torch.where(ok, flat, torch.full_like(flat, n_experts))
+    counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     pstart = torch.cumsum(padded, 0) - padded
     cstart = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
-    se = flat[order]
-    pos = pstart[se] + (torch.arange(T, device=ids.device) - cstart[se])
-    sorted_ids = torch.full((nb * block_m,), T, dtype=torch.int32, device=ids.device)
-    sorted_ids[pos] = order.to(torch.int32)
+    order = torch.argsort(key, stable=True)
+    se = key[order]
+    real = se < n_experts
+    sc = torch.where(real, se, torch.zeros_like(se))
+    pos = pstart[sc] + (torch.arange(T, device=ids.device) - cstart[sc])
+    sorted_ids = torch.full((nb * block_m + 1,), T, dtype=torch.int32, device=ids.device)
+    sorted_ids[torch.where(real, pos, torch.full_like(pos, nb * block_m))] = order.to(torch.int32)
+    sorted_ids = sorted_ids[:-1]  # the last slot took the rows of invalid ids
     bstart = torch.arange(nb, device=ids.device) * block_m
     pend = pstart + padded
     bexp = (pend[None, :] <= bstart[:, None]).sum(1)  # experts whose blocks end before this block
@@ -578,6 +646,7 @@ class MoEConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 2.827
+    scoring_func: str = "sigmoid"  # or "softmax"
 
 
 def _check_backend(backend: str) -> None:
@@ -607,6 +676,8 @@ def experts_ref(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEWei
     if w.fmt == "w4a8":
         x8, xs = quant_per_token_int8_ref(x)
     for e in ids.unique().tolist():
+        if not 0 <= e < E:  # an id outside [0, E) adds nothing (as in the kernels)
+            continue
         tok, slot = (ids == e).nonzero(as_tuple=True)
         if w.fmt == "w4a8":
             gu = (x8[tok].double() @ w13[e].double().t()).float() * xs[tok, None] * w.s13[e][None]
@@ -633,41 +704,64 @@ def shared_expert_ref(x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor,
     return (h @ d.t()).float()
 
 
-def _stage_configs(config: dict | None, fmt: str, E: int, H: int, I: int, top_k: int, M: int
-                   ) -> tuple[dict, dict]:
+def _stage_configs(config: dict | None, fmt: str, E: int, H: int, I: int, top_k: int, M: int,
+                   invariant: bool = False) -> tuple[dict, dict]:
+    """Stage configs: explicit ones from `config`, else tuned. `invariant`: the top-k sum as
+    partial rows + `moe_sum` in fixed order (REDUCE="partial": no order-dependent float atomics)
+    and, for the float-accumulating formats (bf16, W4A16), every numerics key from the M=1 entry;
+    W4A8 stages accumulate exactly in i32, so they keep their per-bucket tiles."""
     k1, k2 = STAGE1[fmt], STAGE2[fmt]
     if fmt == "w4a8" and (config or {}).get("stage2_quant", "separate") == "separate":
         k2 = moe_stage2_w4a8_pq
-    c1 = dict((config or {}).get("stage1") or config_for(k1, {"E": E, "K": H, "I": I, "TOPK": top_k}, M, None))
-    c2 = dict((config or {}).get("stage2") or config_for(k2, {"E": E, "H": H, "I": I, "TOPK": top_k}, M, None))
+    p1, p2 = {"E": E, "K": H, "I": I, "TOPK": top_k}, {"E": E, "H": H, "I": I, "TOPK": top_k}
+    pick = invariant_config if invariant else config_for
+    c1 = dict((config or {}).get("stage1") or pick(k1, p1, M, None))
+    c2 = dict((config or {}).get("stage2") or pick(k2, p2, M, None))
     bm = c1.get("BLOCK_M", 16)
     c1["BLOCK_M"] = bm
     c2["BLOCK_M"] = bm  # both stages walk the same aligned blocks
+    if invariant and not (config or {}).get("stage2"):
+        c2["REDUCE"] = "partial"
     return c1, c2
 
 
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEWeights,
-                  backend: str = "triton", config: dict | None = None, check_ids: bool = True) -> torch.Tensor:
+                  backend: str = "triton", config: dict | None = None, check_ids: bool = True,
+                  invariant: bool = True) -> torch.Tensor:
     """Routed-expert output f32 [M, H] = sum_k wts[m,k] * expert_{ids[m,k]}(x[m]).
 
-    check_ids=False skips the id range check (a host sync) when the ids come from `route`."""
+    check_ids (default on) refuses ids outside [0, E) by reading them (a device sync, so not
+    inside graph capture); pass False only for ids from `route`, which guarantees them. Unchecked,
+    an id outside [0, E) is a defined no-op on both backends: that (token, k) adds nothing.
+    `invariant` (default): a token's result does not depend on the batch (top-k summed in fixed
+    order by `moe_sum`, never by float atomics; M=1 tiles at every M for the float-accumulating
+    formats). M=0 gives [0, H]."""
     _check_backend(backend)
     E, H, I = w.dims()
+    check_tensor("fused_experts", "hidden", x, 2, (torch.bfloat16, torch.float16, torch.float32))
+    dev = x.device
+    for name, t in (("w13", w.w13), ("w2", w.w2), ("s13", w.s13), ("s2", w.s2)):
+        if t is not None:
+            check_tensor("fused_experts", name, t, None, None, dev, contiguous=True)
+    check_tensor("fused_experts", "ids", ids, 2, (torch.int32, torch.int64), dev)
+    check_tensor("fused_experts", "weights", wts, 2, (torch.float32, torch.bfloat16, torch.float16), dev)
     M = x.shape[0]
-    if x.dim() != 2 or x.shape[1] != H:
+    if x.shape[1] != H:
         raise ValueError(f"fused_experts: hidden must be [M, H={H}], got {tuple(x.shape)}")
-    if ids.shape != wts.shape or ids.dim() != 2 or ids.shape[0] != M:
+    if ids.shape != wts.shape or ids.shape[0] != M:
         raise ValueError(f"fused_experts: ids and weights must both be [M={M}, top_k], got {tuple(ids.shape)} and {tuple(wts.shape)}")
     top_k = ids.shape[1]
-    if top_k > E:
-        raise ValueError(f"fused_experts: top_k={top_k} exceeds the number of experts {E}")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"fused_experts: top_k={top_k} must be in [1, number of experts {E}]")
     if check_ids and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
         raise ValueError(f"fused_experts: expert ids out of range [0, {E}): got [{int(ids.min())}, {int(ids.max())}]")
     if w.fmt != "bf16" and H % PACK:
         raise ValueError(f"fused_experts: hidden size {H} must be a multiple of the int4 pack factor {PACK}")
     if backend == "torch":
         return experts_ref(x, ids, wts, w)
-    c1, c2 = _stage_configs(config, w.fmt, E, H, I, top_k, M)
+    if M == 0:
+        return torch.zeros(0, H, dtype=torch.float32, device=dev)
+    c1, c2 = _stage_configs(config, w.fmt, E, H, I, top_k, M, invariant)
     bm = c1["BLOCK_M"]
     sorted_ids, bexp = moe_align(ids, E, bm, check=False)  # the kdsl align kernels
     S = sorted_ids.numel()
@@ -683,7 +777,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEW
         moe_stage1_bf16(xb, w.w13, sorted_ids, bexp, inter, top_k, config=c1)
     atomic = c2.get("REDUCE", "atomic") == "atomic"
     out = torch.zeros(M if atomic else 0, H, dtype=torch.float32, device=x.device)
-    part = torch.empty(0 if atomic else T, H, dtype=torch.float32, device=x.device)
+    # unchecked ids: a row of an invalid id is in no block, so its partial row must read 0
+    part = (torch.empty if check_ids else torch.zeros)(0 if atomic else T, H, dtype=torch.float32, device=x.device)
     tw = wts.reshape(-1).float().contiguous()
     if w.fmt == "w4a8" and (config or {}).get("stage2_quant", "separate") == "separate":
         from ops.quant import quant_per_token_int8
@@ -709,25 +804,34 @@ STAGE2 = {"w4a8": moe_stage2_w4a8, "w4a16": moe_stage2_w4a16, "bf16": moe_stage2
 
 def fused_moe(hidden: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, experts: MoEWeights,
               shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-              cfg: MoEConfig | None = None, backend: str = "triton", config: dict | None = None) -> torch.Tensor:
+              cfg: MoEConfig | None = None, backend: str = "triton", config: dict | None = None,
+              invariant: bool = True) -> torch.Tensor:
     """One MoE layer: bf16 [M, H] -> bf16 [M, H] = routed experts + shared expert.
 
     `config` may hold per-kernel configs under "gate", "route", "stage1", "stage2", "quant" (BLOCK_M of stage 1 is
     used by both stages; missing ones come from the tuned files) and, for W4A8, "stage2_quant":
     "separate" (default: quant_per_token_int8 on the intermediate, then moe_stage2_w4a8_pq) or
-    "fused" (moe_stage2_w4a8 quantizes its A tiles itself)."""
+    "fused" (moe_stage2_w4a8 quantizes its A tiles itself). `cfg.scoring_func` "sigmoid" or
+    "softmax" is honoured by both backends. `invariant` (default): a token's output does not depend
+    on the batch (see `route` and `fused_experts`). No device read on the triton launch path."""
     cfg = cfg or MoEConfig()
     _check_backend(backend)
     E, H, I = experts.dims()
-    if hidden.dim() != 2 or hidden.shape[1] != H:
+    check_tensor("fused_moe", "hidden", hidden, 2, (torch.bfloat16,))
+    if hidden.shape[1] != H:
         raise ValueError(f"fused_moe: hidden must be [M, H={H}], got {tuple(hidden.shape)}")
     if tuple(router_w.shape) != (E, H):
         raise ValueError(f"fused_moe: router weight must be [E={E}, H={H}], got {tuple(router_w.shape)}")
     if cfg.top_k > E:
         raise ValueError(f"fused_moe: top_k={cfg.top_k} exceeds the number of experts {E}")
+    if shared is not None:
+        for name, t in zip(("gate", "up", "down"), shared):
+            check_tensor("fused_moe", f"shared {name}", t, 2, (torch.bfloat16,), hidden.device)
     ids, wts = route(hidden, router_w, bias, cfg.top_k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
-                     cfg.routed_scaling_factor, backend=backend, config=config)
-    y = fused_experts(hidden, ids, wts, experts, backend=backend, config=config, check_ids=False)
+                     cfg.routed_scaling_factor, backend=backend, config=config, scoring_func=cfg.scoring_func,
+                     invariant=invariant)
+    # route guarantees ids in [0, E): no check (it would read the device)
+    y = fused_experts(hidden, ids, wts, experts, backend=backend, config=config, check_ids=False, invariant=invariant)
     s = shared_expert_ref(hidden, shared)
     if s is not None:
         y = y + s

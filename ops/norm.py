@@ -6,12 +6,13 @@ norm, exactly as an unfused bf16 model would do, so fused and unfused runs agree
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 import kdsl as kd
-from ops._common import config_for
+from ops._common import check_backend, check_tensor, config_for
 
 
 @kd.kernel(static=("D",), example={"M": 4, "D": 7168})
@@ -78,10 +79,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
              backend: str = "triton", config: dict[str, Any] | None = None):
     """RMSNorm over the last dim. With `residual`: returns (rmsnorm(x + residual), x + residual), the
     sum rounded to x.dtype; `residual` is not modified (a new tensor holds the sum)."""
+    check_backend("rms_norm", backend)
+    check_tensor("rms_norm", "x", x, None, (torch.bfloat16,))
+    check_tensor("rms_norm", "weight", weight, 1, (torch.bfloat16,), x.device, contiguous=True)
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"rms_norm: x needs a non-empty last dim, got shape {tuple(x.shape)}")
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"rms_norm: weight has {weight.shape[-1]} elements, x's last dim is {x.shape[-1]}")
+    if residual is not None:
+        check_tensor("rms_norm", "residual", residual, None, (torch.bfloat16,), x.device)
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"rms_norm: eps must be a finite number >= 0, got {eps!r}")
     if backend == "torch":
         return rmsnorm_ref(x, weight, eps) if residual is None else rmsnorm_add_ref(x, residual, weight, eps)
     if backend != "triton":
@@ -103,8 +113,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
 
 def silu_and_mul(x: torch.Tensor, backend: str = "triton", config: dict[str, Any] | None = None) -> torch.Tensor:
     """silu(x[..., :I]) * x[..., I:] for x [..., 2I] (the gate|up layout of a merged MLP projection)."""
-    if x.shape[-1] % 2:
-        raise ValueError(f"silu_and_mul: last dim must be even (gate | up), got {x.shape[-1]}")
+    check_backend("silu_and_mul", backend)
+    check_tensor("silu_and_mul", "x", x, None, (torch.bfloat16,))
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul: last dim must be even (gate | up), got {tuple(x.shape)}")
     if backend == "torch":
         return silu_mul_ref(x)
     if backend != "triton":

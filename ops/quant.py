@@ -95,10 +95,16 @@ def quant_per_token_fp8_ref(x: torch.Tensor, fp8: torch.dtype = torch.float8_e4m
 
 
 def _check_x(name: str, x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"{name}: x must be 2-D [M, K], got shape {tuple(x.shape)}")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"{name}: x must be bfloat16, got {x.dtype}")
+    if x.shape[1] < 1:
+        raise ValueError(f"{name}: x must have K >= 1 columns, got shape {tuple(x.shape)}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"{name}: x must be contiguous along K (stride {x.stride(1)})")
 
 
 def quantize_int8(x: torch.Tensor, backend: str = "triton", config: dict | None = None
@@ -111,10 +117,11 @@ def quantize_int8(x: torch.Tensor, backend: str = "triton", config: dict | None 
         raise ValueError(f"quantize_int8: backend must be 'triton' or 'torch', got {backend!r}")
     M, K = x.shape
     if config is None:
-        config = lookup_config(quant_per_token_int8, kd.current_target().name, {"K": K}, M)
+        config = lookup_config(quant_per_token_int8, kd.current_target().name, {"K": K}, max(M, 1))
     q = torch.empty(M, K, dtype=torch.int8, device=x.device)
     s = torch.empty(M, dtype=torch.float32, device=x.device)
-    quant_per_token_int8(x, q, s, config=config)
+    if M:
+        quant_per_token_int8(x, q, s, config=config)
     return q, s
 
 
@@ -129,10 +136,11 @@ def quantize_fp8(x: torch.Tensor, backend: str = "triton", config: dict | None =
         raise ValueError(f"quantize_fp8: backend must be 'triton' or 'torch', got {backend!r}")
     M, K = x.shape
     if config is None:
-        config = lookup_config(quant_per_token_fp8, kd.current_target().name, {"K": K}, M)
+        config = lookup_config(quant_per_token_fp8, kd.current_target().name, {"K": K}, max(M, 1))
     q = torch.empty(M, K, dtype=fp8, device=x.device)
     s = torch.empty(M, dtype=torch.float32, device=x.device)
-    quant_per_token_fp8(x, q, s, config=config)
+    if M:
+        quant_per_token_fp8(x, q, s, config=config)
     return q, s
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import kdsl as kd
-from ops._common import config_for
+from ops._common import check_backend, check_tensor, config_for
 
 
 def _rotate(x, cos, sin, out, neox: bool) -> None:
@@ -92,9 +92,9 @@ def cos_sin(positions: torch.Tensor, dim: int, base: float, scaling: dict[str, A
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, dim/2] float32 for the given integer positions [T]."""
     inv, mult = inv_freq(dim, base, scaling)
-    f = positions.to(torch.float64).cpu()[:, None] * inv[None, :]
-    dev = positions.device
-    return (f.cos() * mult).float().to(dev), (f.sin() * mult).float().to(dev)
+    dev = positions.device  # computed where the positions are: no device -> host copy
+    f = positions.to(torch.float64)[:, None] * inv.to(dev)[None, :]
+    return (f.cos() * mult).float(), (f.sin() * mult).float()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,11 +119,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
     `out` may be x itself (in place: each program reads its tile before writing it)."""
     if style not in ("interleaved", "neox"):
         raise ValueError(f"rope style must be 'interleaved' or 'neox', got {style!r}")
-    if x.dim() != 3:
-        raise ValueError(f"apply_rope: x must be [T, H, R], got shape {tuple(x.shape)}")
+    check_backend("apply_rope", backend)
+    check_tensor("apply_rope", "x", x, 3, (torch.bfloat16,))
     T, H, R = x.shape
+    if R < 2 or R % 2:
+        raise ValueError(f"apply_rope: the rope dim of x must be even and >= 2, got {R}")
+    check_tensor("apply_rope", "cos", cos, 2, (torch.float32, torch.bfloat16, torch.float16), x.device)
+    check_tensor("apply_rope", "sin", sin, 2, (torch.float32, torch.bfloat16, torch.float16), x.device)
     if cos.shape != (T, R // 2) or sin.shape != (T, R // 2):
         raise ValueError(f"apply_rope: cos/sin must be [{T}, {R // 2}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    if out is not None:
+        check_tensor("apply_rope", "out", out, 3, (torch.bfloat16,), x.device)
+        if out.shape != x.shape:
+            raise ValueError(f"apply_rope: out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
     if backend == "torch":
         r = rope_ref(x, cos, sin, style)
         if out is not None:

@@ -106,11 +106,11 @@ def test_tree_mask_errors() -> None:
     with pytest.raises(ValueError, match="own ancestor"):
         bad = good.clone()
         bad[1, 2, 4] = 0
-        mha.paged_mha_decode(q, kc, vc, bt, lens, SCALE, tree_mask=bad)
+        mha.paged_mha_decode(q, kc, vc, bt, lens, SCALE, tree_mask=bad, validate=True)
     with pytest.raises(ValueError, match=r"tree_mask must be \[B, q_len, TW\]"):
         mha.paged_mha_decode(q, kc, vc, bt, lens, SCALE, tree_mask=good[:, :, :2])
     with pytest.raises(ValueError, match="longer than a sequence"):
-        mha.paged_mha_decode(q, kc, vc, bt, lens, SCALE, tree_mask=_tree(2, 3, 11, seed=0))
+        mha.paged_mha_decode(q, kc, vc, bt, lens, SCALE, tree_mask=_tree(2, 3, 11, seed=0), validate=True)
 
 
 def test_append_kv() -> None:
@@ -126,7 +126,7 @@ def test_append_kv() -> None:
 def test_bad_inputs() -> None:
     q, kc, vc, bt, lens = _setup([20], 1, 4, 2)
     with pytest.raises(ValueError, match="block table too short"):
-        mha.paged_mha_decode(q, kc, vc, bt[:, :2], lens, SCALE)
+        mha.paged_mha_decode(q, kc, vc, bt[:, :2], lens, SCALE, validate=True)
     with pytest.raises(ValueError, match="head dims do not match"):
         mha.paged_mha_decode(q[..., :16], kc, vc, bt, lens, SCALE)
     with pytest.raises(ValueError, match="multiple of kv heads"):

@@ -86,7 +86,7 @@ def test_kernels_write_every_element() -> None:
     S = 8  # more splits than the short sequence has tokens: empty splits must still write
     part = poisoned((2, 1, H, S, DL), torch.float32)
     lse = poisoned((2, 1, H, S), torch.float32)
-    mla.mla_decode_split(q, kv, bt, lens, part, lse, SCALE, H, DR, config={"BLOCK_N": 16})
+    mla.mla_decode_split(q, kv, bt, lens, part, lse, SCALE, H, DR, config={"BLOCK_N": 16, "SPLIT_TOKENS": 0})
     assert not part.isnan().any() and not lse.isnan().any()
     assert torch.isinf(lse[0, 0, :, 5:]).all()  # chunk 1 token: splits 5.. of a 5-token sequence are empty
     out = poisoned((2, 1, H, DL), torch.bfloat16)
@@ -127,17 +127,18 @@ def test_num_splits() -> None:
 def test_bad_inputs() -> None:
     q, kv, bt, lens = _setup([20], 1)
     with pytest.raises(ValueError, match="block table too short"):
-        mla.mla_decode(q, kv, bt[:, :2], lens, SCALE, latent_dim=DL)
+        mla.mla_decode(q, kv, bt[:, :2], lens, SCALE, latent_dim=DL, validate=True)
     with pytest.raises(ValueError, match="head dims do not match"):
         mla.mla_decode(q, kv[..., :40], bt, lens, SCALE, latent_dim=DL)
     q9 = torch.randn(1, 9, H, DL + DR).bfloat16()
     with pytest.raises(ValueError, match="q_len must be 1..8"):
         mla.mla_decode(q9, kv, bt, torch.tensor([20]), SCALE, latent_dim=DL)
     with pytest.raises(ValueError, match=">= q_len"):
-        mla.mla_decode(torch.randn(1, 4, H, DL + DR).bfloat16(), kv, bt, torch.tensor([3]), SCALE, latent_dim=DL)
+        mla.mla_decode(torch.randn(1, 4, H, DL + DR).bfloat16(), kv, bt, torch.tensor([3]), SCALE, latent_dim=DL,
+                       validate=True)
     with pytest.raises(ValueError, match="diagonal"):
         mla.mla_decode(torch.randn(1, 2, H, DL + DR).bfloat16(), kv, bt, lens, SCALE, latent_dim=DL,
-                       tree_mask=torch.zeros(1, 2, 2, dtype=torch.int8))
+                       tree_mask=torch.zeros(1, 2, 2, dtype=torch.int8), validate=True)
     with pytest.raises(Exception, match="q_len must be 1..8"):  # the kernel's own launch check
         mla.mla_decode_split(q9, kv, bt, torch.tensor([20], dtype=torch.int32),
                              torch.empty(1, 9, H, 1, DL), torch.empty(1, 9, H, 1), SCALE, 9 * H, DR)

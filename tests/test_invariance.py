@@ -1,0 +1,177 @@
+"""Batch-invariant numerics (issue 14.5): a row's result depends neither on the batch it runs in nor
+on q_len, bit for bit, on the interpreter.
+
+The split plans of a 304-CU gfx942, a 256-CU gfx950 and a 132-SM sm90 are passed explicitly
+(`cu_count`): in invariant mode (the default) they change nothing; the tuned configs of gfx942 and
+gfx950 at the Kimi shapes are reduced by `invariant_config` to one numerics choice for every M
+and q_len, then run on small shapes. `invariant=False` shows what the split count would depend on.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ops import gemm, mha, mla, moe
+from ops._common import LAUNCH_ONLY_KEYS, invariant_config
+from ops.packing import pack_int4
+
+PLANS = {"gfx942": 304, "gfx950": 256, "sm90": 132}
+DL, DR, H, PS = 32, 16, 4, 8
+CTX = 200  # two 128-token splits (SPLIT_TOKENS 128 keeps the interpreter runs short)
+ST = {"SPLIT_TOKENS": 128}
+
+
+def _numerics(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k not in LAUNCH_ONLY_KEYS}
+
+
+def _mla_case(lens, seed=0, mp=None):
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    mp = mp or max(-(-n // PS) for n in lens) + 1
+    npages = B * mp + 2
+    kv = torch.randn(npages, PS, DL + DR, generator=g).bfloat16()
+    bt = torch.randperm(npages, generator=g)[: B * mp].view(B, mp).to(torch.int32)
+    return kv, bt
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_tuned_configs_reduce_to_one_numerics_choice(arch: str) -> None:
+    """Decode (q_len 1) and verify (q_len 4) at every batch get the same numerics keys, those of the
+    q_len-1, M=1 entry; the tuned files differ across buckets (what made rows batch-dependent)."""
+    from autotune import lookup_config
+
+    p1 = {"QL": 1, "H": 64, "DL": 512, "DR": 64, "PS": 64}
+    p4 = {**p1, "QL": 4}
+    seen = {str(_numerics(invariant_config(mla.mla_decode_split, p, m, None, p1, arch=arch)))
+            for p in (p1, p4) for m in (1, 4, 8, 32, 256)}
+    assert len(seen) == 1
+    raw = {str(_numerics(lookup_config(mla.mla_decode_split, arch, p, m))) for p in (p1, p4) for m in (1, 4, 32, 256)}
+    assert len(raw) > 1
+    g = {"N": 1536, "K": 7168}  # a float-accumulating GEMM: one choice
+    assert len({str(_numerics(invariant_config(gemm.gemm_bf16_kernel, g, m, None, arch=arch)))
+                for m in (1, 8, 64, 256)}) == 1
+    g4 = {"N": 4096, "K": 7168}  # integer accumulation is exact: the tuned per-bucket configs stay
+    for m in (1, 64):
+        assert invariant_config(gemm.gemm_w4a8_kernel, g4, m, None, arch=arch) == lookup_config(
+            gemm.gemm_w4a8_kernel, arch, g4, m)
+    s2 = {"E": 384, "H": 7168, "I": 2048, "TOPK": 8}
+    c2 = [moe._stage_configs(None, "w4a8", 384, 7168, 2048, 8, m, True)[1] for m in (1, 64)] if arch == "gfx942" else []
+    assert all(c["REDUCE"] == "partial" for c in c2)
+    assert len({str(_numerics(invariant_config(moe.moe_stage2_w4a16, s2, m, None, arch=arch))) for m in (1, 64)}) == 1
+
+
+def _kimi_cfg(kern, arch, problem, m, ref):
+    """The invariant config tuned at the Kimi shape, minus the keys that only size GPU launches."""
+    return invariant_config(kern, problem, m, None, ref, arch=arch)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_mla_verify_row0_equals_decode_and_batch1_equals_batch8(arch: str) -> None:
+    cu = PLANS[arch]
+    lens8 = [CTX, 37, 260, 5, 129, 9, 64, 20]
+    kv, bt = _mla_case([n + 3 for n in lens8], seed=1)
+    g = torch.Generator().manual_seed(2)
+    q4 = torch.randn(8, 4, H, DL + DR, generator=g).bfloat16()
+    p1 = {"QL": 1, "H": 64, "DL": 512, "DR": 64, "PS": 64}
+    if arch in ("gfx942", "gfx950"):  # the tuned numerics choice of that arch, on these small shapes
+        cfg = {k: v for k, v in _kimi_cfg(mla.mla_decode_split, arch, p1, 1, p1).items()
+               if k not in ("matrix_instr_nonkdim", "kpack", "waves_per_eu")}
+    else:
+        cfg = {}
+    cfg = {**cfg, **ST}
+    run = lambda q, lens, bt_, **kw: mla.mla_decode(q, kv, bt_, torch.tensor(lens, dtype=torch.int32), 0.3,  # noqa: E731
+                                                    latent_dim=DL, out_dtype=torch.float32, cu_count=cu,
+                                                    config=cfg, **kw)
+    verify = run(q4, [n + 3 for n in lens8], bt)
+    decode = run(q4[:, :1].contiguous(), lens8, bt)
+    assert torch.equal(verify[:, 0], decode[:, 0])  # q_len 4 row 0 == q_len 1, every sequence
+    # batch 1, a narrower table, the sm90 split plan
+    one = mla.mla_decode(q4[:1, :1].contiguous(), kv, bt[:1, : -(-CTX // PS)], torch.tensor([CTX], dtype=torch.int32),
+                         0.3, latent_dim=DL, out_dtype=torch.float32, cu_count=PLANS["sm90"], config=cfg)
+    assert torch.equal(one[0], decode[0])
+    b16 = mla.mla_decode(q4[:1, :1].contiguous(), kv, bt[:1], torch.tensor([CTX], dtype=torch.int32), 0.3,
+                         latent_dim=DL, cu_count=PLANS["gfx950"], config=cfg)  # bf16 output too
+    assert torch.equal(b16.float()[0], decode[0].bfloat16().float())
+    # what invariance replaces: the CU-sized split count depends on the batch
+    # (Kimi: 64 heads, 8k context: 32 splits at batch 1, 2-3 at batch 64); the invariant plan is fixed
+    assert mla.num_splits([8192], 1, 64, cu_count=cu) == 32 and mla.num_splits([8192] * 64, 1, 64, cu_count=cu) <= 3
+    assert mla.invariant_splits(8192) == 32
+
+
+def test_mha_verify_and_tree_row0_equal_decode_and_batch1_equals_batch8() -> None:
+    """Decode, verify and tree verify (whose kernel defaults to a smaller BLOCK_N) reduce alike."""
+    cu = PLANS["gfx942"]
+    g = torch.Generator().manual_seed(3)
+    lens8 = [CTX, 20, 260, 9, 129, 13, 64, 30]
+    mp = max(-(-(n + 3) // PS) for n in lens8) + 1
+    NP, KVH, D, HQ = 8 * mp + 2, 2, 16, 4
+    kc = torch.randn(NP, PS, KVH, D, generator=g).bfloat16()
+    vc = torch.randn(NP, PS, KVH, D, generator=g).bfloat16()
+    bt = torch.randperm(NP, generator=g)[: 8 * mp].view(8, mp).to(torch.int32)
+    q4 = torch.randn(8, 4, HQ, D, generator=g).bfloat16()
+    L = lambda ls: torch.tensor(ls, dtype=torch.int32)  # noqa: E731
+    run = lambda q, lens, bt_, **kw: mha.paged_mha_decode(q, kc, vc, bt_, L(lens), 0.25, cu_count=cu,  # noqa: E731
+                                                          config=dict(ST), **kw)
+    decode = run(q4[:, :1].contiguous(), lens8, bt)
+    verify = run(q4, [n + 3 for n in lens8], bt)
+    tree = run(q4, [n + 3 for n in lens8], bt, tree_mask=torch.ones(8, 4, 4, dtype=torch.int8).tril())
+    assert torch.equal(verify[:, 0], decode[:, 0]) and torch.equal(tree[:, 0], decode[:, 0])
+    one = mha.paged_mha_decode(q4[:1, :1].contiguous(), kc, vc, bt[:1, : -(-CTX // PS)], L(lens8[:1]), 0.25,
+                               cu_count=PLANS["sm90"], config=dict(ST))
+    assert torch.equal(one[0], decode[0])
+
+
+def _moe_weights(fmt: str, E: int, Hd: int, I: int, seed: int) -> moe.MoEWeights:
+    g = torch.Generator().manual_seed(seed)
+    if fmt == "bf16":
+        return moe.MoEWeights("bf16", (torch.randn(E, 2 * I, Hd, generator=g) * 0.2).bfloat16(),
+                              (torch.randn(E, Hd, I, generator=g) * 0.2).bfloat16())
+    q13 = torch.randint(-8, 8, (E, 2 * I, Hd), generator=g, dtype=torch.int32)
+    q2 = torch.randint(-8, 8, (E, Hd, I), generator=g, dtype=torch.int32)
+    return moe.MoEWeights("w4a8", pack_int4(q13, "quark_reorder"), pack_int4(q2, "quark_reorder"),
+                          torch.rand(E, 2 * I, generator=g) * 0.01, torch.rand(E, Hd, generator=g) * 0.01)
+
+
+@pytest.mark.parametrize("fmt", ["bf16"])  # w4a8 adds only row-wise (invariant) quantization; slow here
+def test_moe_batch1_equals_batch8(fmt: str) -> None:
+    E, Hd, I = 8, 64, 32
+    w = _moe_weights(fmt, E, Hd, I, seed=4)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, Hd, generator=g).bfloat16()
+    wg = (torch.randn(E, Hd, generator=g) * 0.2).bfloat16()
+    bias = torch.randn(E, generator=g) * 0.01
+    cfg = moe.MoEConfig(top_k=3, routed_scaling_factor=1.7)
+    eight = moe.fused_moe(x, wg, bias, w, cfg=cfg)
+    for i in (0, 5):
+        one = moe.fused_moe(x[i:i + 1].contiguous(), wg, bias, w, cfg=cfg)
+        assert torch.equal(one[0], eight[i])
+    ids8, w8 = moe.route(x, wg, bias, 3)
+    ids1, w1 = moe.route(x[:1].contiguous(), wg, bias, 3)
+    assert torch.equal(ids1[0], ids8[0]) and torch.equal(w1[0], w8[0])
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_gemm_rows_batch1_equals_batch8(arch: str) -> None:
+    """A GEMM row is the same alone and in a batch of 8 with the arch's invariant W4A8 / bf16 tiles."""
+    g = torch.Generator().manual_seed(6)
+    M, N, K = 8, 64, 512
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w = (torch.randn(N, K, generator=g) * 0.1).bfloat16()
+    w4 = pack_int4(torch.randint(-8, 8, (N, K), generator=g, dtype=torch.int32), "quark_reorder")
+    ws = torch.rand(N, generator=g) * 0.01
+    from autotune import lookup_config
+
+    trim = lambda c: {k: v for k, v in c.items() if k not in ("matrix_instr_nonkdim", "kpack", "waves_per_eu")}  # noqa: E731
+    # W4A8 (exact i32 accumulation): batch 8 with the bucket-64 tiles == batch 1 with the bucket-1 tiles
+    c64 = trim(lookup_config(gemm.gemm_w4a8_kernel, arch, {"N": 4096, "K": 7168}, 64))
+    c1 = trim(lookup_config(gemm.gemm_w4a8_kernel, arch, {"N": 4096, "K": 7168}, 1))
+    assert c64 != c1
+    a8 = gemm.linear_w4a8(x, w4, ws, config=c64)
+    a1 = gemm.linear_w4a8(x[:1].contiguous(), w4, ws, config=c1)
+    assert torch.equal(a1[0], a8[0])
+    # bf16 (f32 accumulation): the one invariant choice at both batch sizes
+    cb = trim(invariant_config(gemm.gemm_bf16_kernel, {"N": 1536, "K": 7168}, M, None, arch=arch))
+    b8 = gemm.gemm_bf16(x, w, config=cb)
+    b1 = gemm.gemm_bf16(x[3:4].contiguous(), w, config=cb)
+    assert torch.equal(b1[0], b8[3])
