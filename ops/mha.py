@@ -38,7 +38,7 @@ def _decode_body(q, k_cache, v_cache, block_table, seq_lens, tree, part, lse, sm
     bs, kvh, mrow = kd.grid(kd.each("BS"), kd.each("KVH"), kd.tile("QG", "BLOCK_M", domain=(16, 32, 64), default=16))
     # default 64; the tree variant also holds the mask tile and spills 8 VGPRs at 64 on gfx942
     # (0 at 32, at the Kimi draft shape), so it defaults to 32
-    BN = kd.tunable("BLOCK_N", (16, 32, 64, 128), 64 if tree is None else 32, "KV tokens per inner step")
+    BN = kd.tunable("BLOCK_N", (16, 32, 64, 128), 32, "KV tokens per inner step")
     S = kd.dim("S")
     b = bs // S
     split = bs % S
