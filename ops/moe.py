@@ -300,17 +300,35 @@ def _unpack(default: str = "bfe") -> str:
     return kd.tunable("INT4_UNPACK", ("shift", "bfe"), default, "int4 nibble extraction: shifts or bit-field extracts")
 
 
+def _w_rows(default: int) -> int:
+    """Which side of the expert dot the weight rows take. Triton's AMD backend stacks the warps on
+    the MFMA's M side first: with acc(tok, n) = dot(x, w) a 16-row token tile gives every warp the
+    same 16 rows, and when BLOCK_N cannot hold one 16-wide tile per warp each wave repeats the whole
+    tile (4x MFMA, the A tile written to and read from LDS by every wave). acc(n, tok) = dot(w, x)
+    (W_ROWS 1) puts the weight rows on the M side, so the warps split N. Integer dots: the result is
+    bit-identical either way. Triton already splits N when BLOCK_N >= 16 * num_warps, so it matters
+    for the narrow tiles small-M buckets pick (gfx942 stage 1 at M=1: BLOCK_N 32 runs 16 MFMA per
+    wave-iteration with W_ROWS 0, 8 with W_ROWS 1, and 4 KB instead of 6 KB of LDS)."""
+    return kd.tunable("W_ROWS", (0, 1), default, "1: acc(n, tok) = dot(w, x), warps split N; 0: acc(tok, n) = dot(x, w)")
+
+
+def _wdot(a, w, w_rows: int):
+    """dot(a, w) with the weight tile on the MFMA side chosen by W_ROWS (same axes either way)."""
+    return kd.dot(w, a) if w_rows else kd.dot(a, w)
+
+
 def _w4a8_gate_up(x, w13, e, n, tok, valid):
     """The W4A8 stage-1 main loop: i32 accumulators of gate and up (shared by the debug kernel)."""
     I = kd.dim("I")
     how = _unpack()
+    wr = _w_rows(1)
 
     def body(k, ag, au):
         a = x.load(tok, k, mask=valid)
-        return (ag + kd.dot(a, w13.load(e, n, k, unpack=how)),
-                au + kd.dot(a, w13.load(e, n + I, k, unpack=how)))
+        return (ag + _wdot(a, w13.load(e, n, k, unpack=how), wr),
+                au + _wdot(a, w13.load(e, n + I, k, unpack=how), wr))
 
-    z = kd.zeros((tok, n), kd.i32)
+    z = kd.zeros((n, tok) if wr else (tok, n), kd.i32)
     return kd.fold(_k_tiles("K"), (z, z), body)
 
 
@@ -460,11 +478,12 @@ def moe_stage2_w4a8_pq(inter: kd.In["S", "I", kd.i8], inter_s: kd.In["S", kd.f32
     valid = tid < kd.dim("T")
 
     how = _unpack()
+    wr = _w_rows(0)  # its tuned BLOCK_N (64/128) already splits N; W_ROWS 1 costs +14 VGPRs there
 
     def body(k, acc):
-        return acc + kd.dot(inter.load(rows, k, mask=valid), w2.load(e, n, k, unpack=how))
+        return acc + _wdot(inter.load(rows, k, mask=valid), w2.load(e, n, k, unpack=how), wr)
 
-    acc = kd.fold(_k_tiles("I"), kd.zeros((rows, n), kd.i32), body)
+    acc = kd.fold(_k_tiles("I"), kd.zeros((n, rows) if wr else (rows, n), kd.i32), body)
     _s2_epilogue(acc * inter_s[rows] * s2[e, n], tid, valid, n, topk_w, out, partial)
 
 

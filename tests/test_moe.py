@@ -184,6 +184,48 @@ def test_stage2_w4a8_i32_exact():
     assert torch.equal(part2, part)
 
 
+@pytest.mark.parametrize("w_rows,bn", [(0, 32), (1, 32), (1, 16)])
+def test_stage1_w4a8_w_rows_exact(w_rows, bn):
+    """W_ROWS (which side of the dot the weight rows take) leaves the i32 accumulators bit-identical."""
+    E, H, I, K, M = 16, 64, 32, 4, 5
+    W = make_weights("w4a8", E, H, I, seed=w_rows + bn)
+    g = torch.Generator().manual_seed(30 + bn + w_rows)
+    x8 = torch.randint(-127, 128, (M, H), generator=g, dtype=torch.int8)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(torch.int32)
+    sid, bexp = moe.moe_align(ids, E, 16)
+    ag, au = poisoned((sid.numel(), I), torch.int32), poisoned((sid.numel(), I), torch.int32)
+    moe.moe_stage1_w4a8_acc(x8, W.w13, sid, bexp, ag, au, K, config={"W_ROWS": w_rows, "BLOCK_N": bn, "BLOCK_K": 32})
+    acc = torch.cat([ag, au], 1)
+    from ops.packing import unpack_int4
+
+    q13 = unpack_int4(W.w13, "quark_reorder").long()
+    for s, t in enumerate(sid.tolist()):
+        if t < M * K:
+            assert torch.equal(acc[s].long(), q13[ids.reshape(-1)[t]] @ x8[t // K].long()), f"row {s}"
+
+
+@pytest.mark.parametrize("w_rows", [0, 1])
+def test_stage2_w4a8_pq_w_rows_exact(w_rows):
+    """Both W_ROWS forms of the pre-quantized stage 2: with unit scales the f32 output is the i32 dot."""
+    E, H, I, K, M = 16, 64, 32, 4, 3
+    W = make_weights("w4a8", E, H, I, seed=7 + w_rows)
+    g = torch.Generator().manual_seed(40 + w_rows)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(torch.int32)
+    sid, bexp = moe.moe_align(ids, E, 16)
+    h = torch.randint(-127, 128, (sid.numel(), I), generator=g)
+    T = M * K
+    part = poisoned((T, H), torch.float32)
+    moe.moe_stage2_w4a8_pq(h.to(torch.int8), torch.ones(sid.numel()), W.w2, torch.ones(E, H), sid, bexp,
+                           torch.ones(T), torch.empty(0, H), part, K,
+                           config={"REDUCE": "partial", "W_ROWS": w_rows, "BLOCK_N": 32, "BLOCK_K": 32})
+    from ops.packing import unpack_int4
+
+    q2 = unpack_int4(W.w2, "quark_reorder").long()
+    for s, t in enumerate(sid.tolist()):
+        if t < T:
+            assert torch.equal(part[t].long(), q2[ids.reshape(-1)[t]] @ h[s])
+
+
 # ----------------------------------------------------------------------------------------------
 # routed experts, all formats, vs the torch reference
 
