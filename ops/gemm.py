@@ -140,8 +140,10 @@ def gemm_bf16_silu_mul_kernel(x: kd.In["M", "K", kd.bf16], w13: kd.In["N2", "K",
     over [2I, K] plus silu_mul, and the [M, 2I] product never leaves registers. Gate and up are
     rounded to bf16 before the epilogue, as the two-launch path stores them, so both paths agree
     bit for bit at the same tile config. W_ROWS 1 puts the weight rows on the dot's M side."""
+    # BLOCK_N 8: each program streams 2 x BLOCK_N weight rows, so at decode sizes (grids below one
+    # program per CU) an 8-wide tile gives the same rows per program as gemm_bf16 at 16
     m, n = kd.grid(kd.tile("M", "BLOCK_M", domain=BM_DOMAIN, default=16),
-                   kd.tile("I", "BLOCK_N", domain=BN_DOMAIN, default=64))
+                   kd.tile("I", "BLOCK_N", domain=(8, *BN_DOMAIN), default=64))
     I = kd.dim("I")
     wr = kd.tunable("W_ROWS", (0, 1), 0, "1: acc(n, m) = dot(w, x), warps split N; 0: acc(m, n) = dot(x, w)")
 
