@@ -422,12 +422,14 @@ def moe_stage1_w4a16(x: kd.In["M", "K", kd.bf16], w13: kd.In["E", "N2", "K", kd.
     tok = tid // TOPK
     I = kd.dim("I")
 
+    wr = _w_rows(0)
+
     def body(k, ag, au):
         a = x.load(tok, k, mask=valid)
-        return (ag + kd.dot(a, _dequant_g32(w13, s13, e, n, k)),
-                au + kd.dot(a, _dequant_g32(w13, s13, e, n + I, k)))
+        return (ag + _wdot(a, _dequant_g32(w13, s13, e, n, k), wr),
+                au + _wdot(a, _dequant_g32(w13, s13, e, n + I, k), wr))
 
-    z = kd.zeros((tid, n), kd.f32)
+    z = kd.zeros((n, tid) if wr else (tid, n), kd.f32)
     ag, au = kd.fold(_k_tiles("K", 64), (z, z), body)  # BLOCK_K 128 spills on gfx942 (dequant tiles)
     inter.store(rows, n, value=kd.silu(ag) * au, mask=valid)
 
@@ -553,10 +555,12 @@ def moe_stage2_w4a16(inter: kd.In["S", "I", kd.bf16], w2: kd.In["E", "H", "I", k
     e, rows, tid = _block_rows(sorted_ids, block_expert, b)
     valid = tid < kd.dim("T")
 
-    def body(k, acc):
-        return acc + kd.dot(inter.load(rows, k, mask=valid), _dequant_g32(w2, s2, e, n, k))
+    wr = _w_rows(0)
 
-    acc = kd.fold(_k_tiles("I", 32), kd.zeros((rows, n), kd.f32), body)  # BLOCK_K 64+ spills on gfx942
+    def body(k, acc):
+        return acc + _wdot(inter.load(rows, k, mask=valid), _dequant_g32(w2, s2, e, n, k), wr)
+
+    acc = kd.fold(_k_tiles("I", 32), kd.zeros((n, rows) if wr else (rows, n), kd.f32), body)  # BLOCK_K 64+ spills on gfx942
     _s2_epilogue(acc, tid, valid, n, topk_w, out, partial)
 
 

@@ -409,3 +409,15 @@ def test_experts_w4a8_stage1_quant(M, reduce):
     torch.testing.assert_close(y, old, atol=5e-2 * old.abs().max().item(), rtol=0)
     with pytest.raises(ValueError, match="BLOCK_N"):
         moe.fused_experts(x, ids, wts, W, config={**cfg, "stage1": {"BLOCK_N": 16}})
+
+
+def test_experts_w4a16_w_rows():
+    """W4A16 stages with the weight rows on the dot's M side (W_ROWS 1) vs the torch reference."""
+    W = make_weights("w4a16", KIMI_SMALL["E"], KIMI_SMALL["H"], KIMI_SMALL["I"], seed=31)
+    x, wg, bias = make_inputs(3, KIMI_SMALL["E"], KIMI_SMALL["H"], seed=32)
+    ids, wts = moe.route(x, wg, bias, KIMI_SMALL["top_k"], backend="torch", routed_scaling_factor=2.827)
+    cfg = {"stage1": {**FAST["stage1"], "W_ROWS": 1}, "stage2": {**FAST["stage2"], "W_ROWS": 1, "REDUCE": "partial"}}
+    y = moe.fused_experts(x, ids, wts, W, config=cfg)
+    ref = moe.fused_experts(x, ids, wts, W, backend="torch")
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y, ref, atol=1e-2 * ref.abs().max().item(), rtol=0)
