@@ -7,6 +7,7 @@ Weights are [N, K], K-contiguous (the checkpoint layout). Kernels:
 - gemm_w4a8        int8 act (per-token) x int4 Quark *reorder* weight (per-channel), i32 acc (Kimi W4A8)
 - gemm_w4a8_order  the same with Quark sequential ("order") packing
 - gemm_w4a8_i32acc the W4A8 main loop storing the raw i32 accumulator (tests it exactly)
+- gemm_bf16_silu_mul  bf16 gate|up GEMM over stacked [2I, K] weights, SiLU(gate)*up epilogue -> bf16 [M, I]
 - gemm_w4a16       bf16 act x int4 compressed-tensors weight, bf16 group-32 scales [N, K/32]
 The int paths accumulate exactly in int32 and apply `acc * x_scale[m] * w_scale[n]` in f32 once.
 
@@ -132,8 +133,35 @@ def gemm_w4a16_kernel(x: kd.In["M", "K", kd.bf16], w: kd.In["N", "K", kd.int4("c
     out[m, n] = kd.fold(_k(64), kd.zeros((m, n), kd.f32), body)
 
 
+@kd.kernel(name="gemm_bf16_silu_mul", example={"M": 1, "N2": 4096, "I": 2048, "K": 7168},
+           checks=[("N2", lambda d: d["N2"] == 2 * d["I"], "w13 must be [2*I, K] (gate rows then up rows)")])
+def gemm_bf16_silu_mul_kernel(x: kd.In["M", "K", kd.bf16], w13: kd.In["N2", "K", kd.bf16],
+                              out: kd.Out["M", "I", kd.bf16]):
+    """The MLP's gate|up GEMM with SiLU(gate)*up in the epilogue: one launch instead of gemm_bf16
+    over [2I, K] plus silu_mul, and the [M, 2I] product never leaves registers. Gate and up are
+    rounded to bf16 before the epilogue, as the two-launch path stores them, so both paths agree
+    bit for bit at the same tile config. W_ROWS 1 puts the weight rows on the dot's M side."""
+    # BLOCK_N 8: each program streams 2 x BLOCK_N weight rows, so at decode sizes (grids below one
+    # program per CU) an 8-wide tile gives the same rows per program as gemm_bf16 at 16
+    m, n = kd.grid(kd.tile("M", "BLOCK_M", domain=BM_DOMAIN, default=16),
+                   kd.tile("I", "BLOCK_N", domain=(8, *BN_DOMAIN), default=64))
+    I = kd.dim("I")
+    wr = kd.tunable("W_ROWS", (0, 1), 0, "1: acc(n, m) = dot(w, x), warps split N; 0: acc(m, n) = dot(x, w)")
+
+    def dot(a, b):
+        return kd.dot(b, a) if wr else kd.dot(a, b)
+
+    def body(k, ag, au):
+        a = x[m, k]
+        return ag + dot(a, w13[n, k]), au + dot(a, w13[n + I, k])
+
+    z = kd.zeros((n, m) if wr else (m, n), kd.f32)
+    ag, au = kd.fold(_k(64), (z, z), body)
+    out[m, n] = kd.silu(ag.to(kd.bf16).to(kd.f32)) * au.to(kd.bf16).to(kd.f32)
+
+
 KERNELS = (gemm_bf16_kernel, gemm_fp8_kernel, gemm_w8a8_kernel, gemm_w4a8_kernel, gemm_w4a8_order_kernel,
-           gemm_w4a8_i32acc_kernel, gemm_w4a16_kernel)
+           gemm_w4a8_i32acc_kernel, gemm_w4a16_kernel, gemm_bf16_silu_mul_kernel)
 W4A8_KERNELS = {"quark_reorder": gemm_w4a8_kernel, "quark_order": gemm_w4a8_order_kernel}
 
 
@@ -313,3 +341,34 @@ def gemm_fp8(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tens
     if not xq.dtype.is_floating_point or xq.element_size() != 1:
         raise TypeError(f"gemm_fp8: x must be an fp8 tensor, got {xq.dtype}")
     return gemm_scaled(xq, xs, w, ws, backend, config, invariant)
+
+
+def gemm_bf16_silu_mul_ref(x: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
+    """silu(bf16(x @ gate^T)) * bf16(x @ up^T) in f32 -> bf16, gate = w13[:I], up = w13[I:]."""
+    gu = gemm_bf16_ref(x, w13).float()
+    g, u = gu.chunk(2, dim=-1)
+    return (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
+
+
+def gemm_bf16_silu_mul(x: torch.Tensor, w13: torch.Tensor, backend: str = "triton",
+                       config: dict | None = None, invariant: bool = True) -> torch.Tensor:
+    """bf16 x [M, K], w13 [2I, K] (gate rows then up rows) -> silu(x gate^T) * (x up^T), bf16 [M, I],
+    in one launch (tuned files are keyed by N2=2I and K). `invariant` (default): the M=1 tiles at
+    every M, as `gemm_bf16`."""
+    _backend("gemm_bf16_silu_mul", backend)
+    M, N2, K = _dims("gemm_bf16_silu_mul", x, w13)
+    check_tensor("gemm_bf16_silu_mul", "x", x, 2, (torch.bfloat16,))
+    check_tensor("gemm_bf16_silu_mul", "w13", w13, 2, (torch.bfloat16,))
+    if N2 % 2:
+        raise ValueError(f"gemm_bf16_silu_mul: w13 rows must be 2*I (gate then up), got {N2}")
+    if backend == "torch":
+        return gemm_bf16_silu_mul_ref(x, w13)
+    problem = {"N2": N2, "K": K}
+    if invariant:
+        config = invariant_config(gemm_bf16_silu_mul_kernel, problem, M, config)
+    elif config is None:
+        config = lookup_config(gemm_bf16_silu_mul_kernel, kd.current_target().name, problem, max(M, 1))
+    out = torch.empty(M, N2 // 2, dtype=torch.bfloat16, device=x.device)
+    if M:
+        gemm_bf16_silu_mul_kernel(x, w13, out, config=config)
+    return out

@@ -23,7 +23,11 @@ Pipeline of `fused_moe` (backend="triton"):
    intermediate is quantized to int8 per row (absmax/127, RNE): by default with
    `quant_per_token_int8` over the [S, I] intermediate and then `moe_stage2_w4a8_pq` (main loop =
    unpack + i32 MFMA only); with config "stage2_quant": "fused", `moe_stage2_w4a8` quantizes its A
-   tiles itself (one launch less, but ~2x the main-loop VALU: every wave re-quantizes the A tile).
+   tiles itself (one launch less, but ~2x the main-loop VALU: every wave re-quantizes the A tile);
+   with "stage2_quant": "stage1", `moe_stage1_w4a8_q` writes the int8 intermediate itself with one
+   scale per (row, stage-1 BLOCK_N columns) (a row's I columns span several stage-1 programs, so a
+   per-row scale cannot be formed there) and `moe_stage2_w4a8_gq` (BLOCK_K = that group) scales each
+   K tile's i32 dot: one launch less and a pure int8 main loop, with finer-grained (different) numerics.
    The routing weight is applied and the top-k rows are summed per token either by `kd.atomic_add` into an f32 [M, H] buffer (REDUCE="atomic") or by storing a
    partial [T, H] buffer reduced by `moe_sum` (REDUCE="partial"); REDUCE is a tunable of stage 2.
    Batch-invariant mode (`invariant=True`, the default) always uses "partial" (a fixed summation
@@ -368,17 +372,35 @@ def _unpack(default: str = "bfe") -> str:
     return kd.tunable("INT4_UNPACK", ("shift", "bfe"), default, "int4 nibble extraction: shifts or bit-field extracts")
 
 
+def _w_rows(default: int) -> int:
+    """Which side of the expert dot the weight rows take. Triton's AMD backend stacks the warps on
+    the MFMA's M side first: with acc(tok, n) = dot(x, w) a 16-row token tile gives every warp the
+    same 16 rows, and when BLOCK_N cannot hold one 16-wide tile per warp each wave repeats the whole
+    tile (4x MFMA, the A tile written to and read from LDS by every wave). acc(n, tok) = dot(w, x)
+    (W_ROWS 1) puts the weight rows on the M side, so the warps split N. Integer dots: the result is
+    bit-identical either way. Triton already splits N when BLOCK_N >= 16 * num_warps, so it matters
+    for the narrow tiles small-M buckets pick (gfx942 stage 1 at M=1: BLOCK_N 32 runs 16 MFMA per
+    wave-iteration with W_ROWS 0, 8 with W_ROWS 1, and 4 KB instead of 6 KB of LDS)."""
+    return kd.tunable("W_ROWS", (0, 1), default, "1: acc(n, tok) = dot(w, x), warps split N; 0: acc(tok, n) = dot(x, w)")
+
+
+def _wdot(a, w, w_rows: int):
+    """dot(a, w) with the weight tile on the MFMA side chosen by W_ROWS (same axes either way)."""
+    return kd.dot(w, a) if w_rows else kd.dot(a, w)
+
+
 def _w4a8_gate_up(x, w13, e, n, tok, valid):
     """The W4A8 stage-1 main loop: i32 accumulators of gate and up (shared by the debug kernel)."""
     I = kd.dim("I")
     how = _unpack()
+    wr = _w_rows(1)
 
     def body(k, ag, au):
         a = x.load(tok, k, mask=valid)
-        return (ag + kd.dot(a, w13.load(e, n, k, unpack=how)),
-                au + kd.dot(a, w13.load(e, n + I, k, unpack=how)))
+        return (ag + _wdot(a, w13.load(e, n, k, unpack=how), wr),
+                au + _wdot(a, w13.load(e, n + I, k, unpack=how), wr))
 
-    z = kd.zeros((tok, n), kd.i32)
+    z = kd.zeros((n, tok) if wr else (tok, n), kd.i32)
     return kd.fold(_k_tiles("K"), (z, z), body)
 
 
@@ -406,6 +428,32 @@ def moe_stage1_w4a8(x: kd.In["M", "K", kd.i8], xs: kd.In["M", kd.f32],
     g = ag * xsv * s13[e, n]
     u = au * xsv * s13[e, n + kd.dim("I")]
     inter.store(rows, n, value=kd.silu(g) * u, mask=valid)
+
+
+@kd.kernel(static=("TOPK",), checks=S1_CHECKS + [("NT", lambda d: d["NT"] >= 1, "NT (scale groups per row) must be >= 1")],
+           example={**S1_EXAMPLE, "NT": KIMI["I"] // 64})
+def moe_stage1_w4a8_q(x: kd.In["M", "K", kd.i8], xs: kd.In["M", kd.f32],
+                      w13: kd.In["E", "N2", "K", kd.int4("quark_reorder")], s13: kd.In["E", "N2", kd.f32],
+                      sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32],
+                      inter: kd.Out["S", "I", kd.i8], inter_s: kd.Out["S", "NT", kd.f32], TOPK: kd.Dim):
+    """`moe_stage1_w4a8` emitting the stage-2 A operand directly: the bf16 SiLU(gate)*up row piece
+    of this program's BLOCK_N columns is quantized to int8 with its own scale (absmax/127, RNE), so
+    no quant launch runs between the stages. A row's absmax over all of I would need every program
+    of the row; a scale per (row, BLOCK_N group) does not, and stage 2 (`moe_stage2_w4a8_gq`, its
+    BLOCK_K equal to this BLOCK_N) applies one scale per K tile. NT = I / BLOCK_N."""
+    b, n = _s1_grid()
+    e, rows, tid = _block_rows(sorted_ids, block_expert, b)
+    valid = tid < kd.dim("M") * TOPK
+    tok = tid // TOPK
+    ag, au = _w4a8_gate_up(x, w13, e, n, tok, valid)
+    xsv = xs.load(tok, mask=valid)
+    g = ag * xsv * s13[e, n]
+    u = au * xsv * s13[e, n + kd.dim("I")]
+    h = (kd.silu(g) * u).to(kd.bf16).to(kd.f32)  # the bf16 intermediate the unfused path stores
+    sc = kd.maximum(kd.max(kd.abs(h), axis=n), MIN_ABSMAX) / 127.0
+    inter.store(rows, n, value=_round_rne(kd.minimum(kd.maximum(h / sc, -127.0), 127.0)).to(kd.i32).to(kd.i8),
+                mask=valid)
+    inter_s.store(rows, n.start // kd.tunable("BLOCK_N", N_BLOCKS, 64), value=sc, mask=valid)
 
 
 @kd.kernel(static=("TOPK",), checks=S1_CHECKS, example=S1_EXAMPLE)
@@ -442,12 +490,14 @@ def moe_stage1_w4a16(x: kd.In["M", "K", kd.bf16], w13: kd.In["E", "N2", "K", kd.
     tok = tid // TOPK
     I = kd.dim("I")
 
+    wr = _w_rows(0)
+
     def body(k, ag, au):
         a = x.load(tok, k, mask=valid)
-        return (ag + kd.dot(a, _dequant_g32(w13, s13, e, n, k)),
-                au + kd.dot(a, _dequant_g32(w13, s13, e, n + I, k)))
+        return (ag + _wdot(a, _dequant_g32(w13, s13, e, n, k), wr),
+                au + _wdot(a, _dequant_g32(w13, s13, e, n + I, k), wr))
 
-    z = kd.zeros((tid, n), kd.f32)
+    z = kd.zeros((n, tid) if wr else (tid, n), kd.f32)
     ag, au = kd.fold(_k_tiles("K", 64), (z, z), body)  # BLOCK_K 128 spills on gfx942 (dequant tiles)
     inter.store(rows, n, value=kd.silu(ag) * au, mask=valid)
 
@@ -528,12 +578,38 @@ def moe_stage2_w4a8_pq(inter: kd.In["S", "I", kd.i8], inter_s: kd.In["S", kd.f32
     valid = tid < kd.dim("T")
 
     how = _unpack()
+    wr = _w_rows(0)  # its tuned BLOCK_N (64/128) already splits N; W_ROWS 1 costs +14 VGPRs there
 
     def body(k, acc):
-        return acc + kd.dot(inter.load(rows, k, mask=valid), w2.load(e, n, k, unpack=how))
+        return acc + _wdot(inter.load(rows, k, mask=valid), w2.load(e, n, k, unpack=how), wr)
 
-    acc = kd.fold(_k_tiles("I"), kd.zeros((rows, n), kd.i32), body)
+    acc = kd.fold(_k_tiles("I"), kd.zeros((n, rows) if wr else (rows, n), kd.i32), body)
     _s2_epilogue(acc * inter_s[rows] * s2[e, n], tid, valid, n, topk_w, out, partial)
+
+
+@kd.kernel(static=("TOPK",), example={**S2_EXAMPLE, "NT": KIMI["I"] // 64})
+def moe_stage2_w4a8_gq(inter: kd.In["S", "I", kd.i8], inter_s: kd.In["S", "NT", kd.f32],
+                       w2: kd.In["E", "H", "I", kd.int4("quark_reorder")], s2: kd.In["E", "H", kd.f32],
+                       sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32], topk_w: kd.In["T", kd.f32],
+                       out: kd.InOut["MO", "H", kd.f32], partial: kd.Out["P", "H", kd.f32], TOPK: kd.Dim):
+    """W4A8 down on the int8 intermediate of `moe_stage1_w4a8_q` with one scale per (row, group of
+    I/NT columns): BLOCK_K must equal that group (fused_experts sets it to stage 1's BLOCK_N). Each
+    K tile's i32 dot is scaled by its rows' group scale and summed in f32, in K order."""
+    b, n = _s2_grid()
+    e, rows, tid = _block_rows(sorted_ids, block_expert, b)
+    valid = tid < kd.dim("T")
+    how = _unpack()
+    wr = _w_rows(0)
+    bk = kd.tunable("BLOCK_K", K_BLOCKS, 64)
+    nt = kd.dim("NT")
+
+    def body(k, acc):
+        d = _wdot(inter.load(rows, k, mask=valid), w2.load(e, n, k, unpack=how), wr)
+        g = kd.minimum(k.start // bk, nt - 1)  # < NT when BLOCK_K is the group; clamped to stay in bounds
+        return acc + d.to(kd.f32) * inter_s.load(rows, g, mask=valid)
+
+    acc = kd.fold(_k_tiles("I", 64), kd.zeros((n, rows) if wr else (rows, n), kd.f32), body)
+    _s2_epilogue(acc * s2[e, n], tid, valid, n, topk_w, out, partial)
 
 
 @kd.kernel(static=("TOPK",), example={**S2_EXAMPLE, "IG": KIMI["I"] // GROUP},
@@ -547,10 +623,12 @@ def moe_stage2_w4a16(inter: kd.In["S", "I", kd.bf16], w2: kd.In["E", "H", "I", k
     e, rows, tid = _block_rows(sorted_ids, block_expert, b)
     valid = tid < kd.dim("T")
 
-    def body(k, acc):
-        return acc + kd.dot(inter.load(rows, k, mask=valid), _dequant_g32(w2, s2, e, n, k))
+    wr = _w_rows(0)
 
-    acc = kd.fold(_k_tiles("I", 32), kd.zeros((rows, n), kd.f32), body)  # BLOCK_K 64+ spills on gfx942
+    def body(k, acc):
+        return acc + _wdot(inter.load(rows, k, mask=valid), _dequant_g32(w2, s2, e, n, k), wr)
+
+    acc = kd.fold(_k_tiles("I", 32), kd.zeros((n, rows) if wr else (rows, n), kd.f32), body)  # BLOCK_K 64+ spills on gfx942
     _s2_epilogue(acc, tid, valid, n, topk_w, out, partial)
 
 
@@ -693,6 +771,38 @@ def experts_ref(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEWei
     return out.float()
 
 
+def quant_groups_int8_ref(h: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (row, group of `group` columns) int8: scale = absmax/127, RNE; (q [R, C], scale [R, C/group])."""
+    R, C = h.shape
+    hf = h.float().view(R, C // group, group)
+    s = hf.abs().amax(-1).clamp_min(MIN_ABSMAX) / 127.0
+    q = torch.round((hf / s[..., None]).clamp(-127.0, 127.0)).to(torch.int8)
+    return q.view(R, C), s
+
+
+def experts_ref_gq(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEWeights, group: int,
+                   partial: bool = False) -> torch.Tensor:
+    """Torch reference of W4A8 with stage2_quant='stage1': the bf16 intermediate quantized per (row,
+    `group` columns); stage 2 sums the groups' i32 dots x scale in f32 in K order, then x s2 x the
+    routing weight. Returns f32 [M, H], or with partial=True the [M*top_k, H] rows before the sum."""
+    E, H, I = w.dims()
+    M, K = ids.shape
+    w13, w2 = _dequant(w, "13"), _dequant(w, "2")
+    x8, xs = quant_per_token_int8_ref(x)
+    part = torch.zeros(M * K, H, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gu = (x8[tok].double() @ w13[e].double().t()).float() * xs[tok, None] * w.s13[e][None]
+        h = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
+        hq, hs = quant_groups_int8_ref(h, group)
+        acc = torch.zeros(len(tok), H, dtype=torch.float32, device=x.device)
+        for j in range(I // group):
+            c = slice(j * group, (j + 1) * group)
+            acc = acc + (hq[:, c].double() @ w2[e][:, c].double().t()).float() * hs[:, j:j + 1]
+        part[tok * K + slot] = acc * w.s2[e][None] * wts[tok, slot][:, None].float()
+    return part if partial else part.view(M, K, H).double().sum(1).float()
+
+
 def shared_expert_ref(x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
     """The shared expert (plain torch: bf16 GEMMs, f32 SiLU*up rounded to bf16), f32 [M, H]."""
     if shared is None:
@@ -713,6 +823,8 @@ def _stage_configs(config: dict | None, fmt: str, E: int, H: int, I: int, top_k:
     k1, k2 = STAGE1[fmt], STAGE2[fmt]
     if fmt == "w4a8" and (config or {}).get("stage2_quant", "separate") == "separate":
         k2 = moe_stage2_w4a8_pq
+    if fmt == "w4a8" and (config or {}).get("stage2_quant") == "stage1":
+        k1, k2 = moe_stage1_w4a8_q, moe_stage2_w4a8_gq
     p1, p2 = {"E": E, "K": H, "I": I, "TOPK": top_k}, {"E": E, "H": H, "I": I, "TOPK": top_k}
     pick = invariant_config if invariant else config_for
     c1 = dict((config or {}).get("stage1") or pick(k1, p1, M, None))
@@ -722,6 +834,12 @@ def _stage_configs(config: dict | None, fmt: str, E: int, H: int, I: int, top_k:
     c2["BLOCK_M"] = bm  # both stages walk the same aligned blocks
     if invariant and not (config or {}).get("stage2"):
         c2["REDUCE"] = "partial"
+    if k2 is moe_stage2_w4a8_gq:  # stage 2's K tile is stage 1's scale group
+        c1["BLOCK_N"] = c1.get("BLOCK_N", 64)
+        if c1["BLOCK_N"] not in (32, 64, 128) or I % c1["BLOCK_N"]:
+            raise ValueError(f"fused_experts: stage2_quant='stage1' needs stage-1 BLOCK_N in (32, 64, 128) dividing "
+                             f"I={I}, got {c1['BLOCK_N']}")
+        c2["BLOCK_K"] = c1["BLOCK_N"]
     return c1, c2
 
 
@@ -766,9 +884,16 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEW
     sorted_ids, bexp = moe_align(ids, E, bm, check=False)  # the kdsl align kernels
     S = sorted_ids.numel()
     T = M * top_k
-    inter = torch.zeros(S, I, dtype=torch.bfloat16, device=x.device)  # padding rows stay finite
+    gq = w.fmt == "w4a8" and (config or {}).get("stage2_quant") == "stage1"
+    if not gq:
+        inter = torch.zeros(S, I, dtype=torch.bfloat16, device=x.device)  # padding rows stay finite
     xb = x.to(torch.bfloat16).contiguous()
-    if w.fmt == "w4a8":
+    if gq:  # stage 1 writes the int8 intermediate and its group scales: no quant launch between
+        inter = torch.empty(S, I, dtype=torch.int8, device=x.device)  # padding rows are never read
+        inter_s = torch.empty(S, I // c1["BLOCK_N"], dtype=torch.float32, device=x.device)
+        x8, xs = quantize_int8(xb)
+        moe_stage1_w4a8_q(x8, xs, w.w13, w.s13, sorted_ids, bexp, inter, inter_s, top_k, config=c1)
+    elif w.fmt == "w4a8":
         x8, xs = quantize_int8(xb)
         moe_stage1_w4a8(x8, xs, w.w13, w.s13, sorted_ids, bexp, inter, top_k, config=c1)
     elif w.fmt == "w4a16":
@@ -780,7 +905,9 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEW
     # unchecked ids: a row of an invalid id is in no block, so its partial row must read 0
     part = (torch.empty if check_ids else torch.zeros)(0 if atomic else T, H, dtype=torch.float32, device=x.device)
     tw = wts.reshape(-1).float().contiguous()
-    if w.fmt == "w4a8" and (config or {}).get("stage2_quant", "separate") == "separate":
+    if gq:
+        moe_stage2_w4a8_gq(inter, inter_s, w.w2, w.s2, sorted_ids, bexp, tw, out, part, top_k, config=c2)
+    elif w.fmt == "w4a8" and (config or {}).get("stage2_quant", "separate") == "separate":
         from ops.quant import quant_per_token_int8
 
         i8 = torch.empty(S, I, dtype=torch.int8, device=x.device)
@@ -811,7 +938,8 @@ def fused_moe(hidden: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, 
     `config` may hold per-kernel configs under "gate", "route", "stage1", "stage2", "quant" (BLOCK_M of stage 1 is
     used by both stages; missing ones come from the tuned files) and, for W4A8, "stage2_quant":
     "separate" (default: quant_per_token_int8 on the intermediate, then moe_stage2_w4a8_pq) or
-    "fused" (moe_stage2_w4a8 quantizes its A tiles itself). `cfg.scoring_func` "sigmoid" or
+    "fused" (moe_stage2_w4a8 quantizes its A tiles itself) or "stage1" (stage 1 emits int8 with a
+    scale per (row, stage-1 BLOCK_N group); reference `experts_ref_gq`). `cfg.scoring_func` "sigmoid" or
     "softmax" is honoured by both backends. `invariant` (default): a token's output does not depend
     on the batch (see `route` and `fused_experts`). No device read on the triton launch path."""
     cfg = cfg or MoEConfig()

@@ -128,3 +128,100 @@ def silu_and_mul(x: torch.Tensor, backend: str = "triton", config: dict[str, Any
     if M:
         silu_mul(x2, out, config=cfg)
     return out.view(*x.shape[:-1], I2 // 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# residual add + RMSNorm + per-token int8 quant (the A side of a W4A8 GEMM / MoE), one pass
+
+def _norm_quant_tail(rf, row, d, w, out, q, scale, eps):
+    """Shared tail: bf16 normed row (stored), then its per-token int8 quant (absmax/127, RNE) taken
+    from the bf16-rounded values, exactly as quant_per_token_int8 would read them back."""
+    from ops.quant import MIN_ABSMAX, _round_rne
+
+    ms = kd.sum(rf * rf, axis=d) / kd.static("D")
+    y = (rf * kd.rsqrt(ms + eps) * w[d].to(kd.f32)).to(kd.bf16)
+    out[row, d] = y
+    yf = y.to(kd.f32)
+    s = kd.maximum(kd.max(kd.abs(yf), axis=d), MIN_ABSMAX) / 127.0
+    scale[row] = s
+    q[row, d] = _round_rne(kd.minimum(kd.maximum(yf / s, -127.0), 127.0)).to(kd.i32).to(kd.i8)
+
+
+@kd.kernel(static=("D",), example={"M": 4, "D": 7168})
+def rmsnorm_quant(x: kd.In["M", "D", kd.bf16], w: kd.In["D", kd.bf16], out: kd.Out["M", "D", kd.bf16],
+                  q: kd.Out["M", "D", kd.i8], scale: kd.Out["M", kd.f32], eps: kd.Scalar[kd.f32]):
+    """RMSNorm and per-token int8 quant of the bf16 result in one pass (one row per program): the
+    W4A8 experts read q/scale, bf16 consumers (shared expert, router) read out."""
+    row, = kd.grid(kd.each("M"))
+    d = kd.full_range("D")
+    _norm_quant_tail(x[row, d].to(kd.f32), row, d, w, out, q, scale, eps)
+
+
+@kd.kernel(static=("D",), example={"M": 4, "D": 7168})
+def rmsnorm_add_quant(x: kd.In["M", "D", kd.bf16], res: kd.InOut["M", "D", kd.bf16], w: kd.In["D", kd.bf16],
+                      out: kd.Out["M", "D", kd.bf16], q: kd.Out["M", "D", kd.i8], scale: kd.Out["M", kd.f32],
+                      eps: kd.Scalar[kd.f32]):
+    """res <- bf16(x + res); out = rmsnorm(res) * w; (q, scale) = per-token int8 of out. One launch
+    instead of rmsnorm_add + quant_per_token_int8, one row per program."""
+    row, = kd.grid(kd.each("M"))
+    d = kd.full_range("D")
+    r = (x[row, d].to(kd.f32) + res[row, d].to(kd.f32)).to(kd.bf16)
+    res[row, d] = r
+    _norm_quant_tail(r.to(kd.f32), row, d, w, out, q, scale, eps)
+
+
+def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Torch reference: rmsnorm(_add)_ref then quant_per_token_int8_ref of the bf16 normed rows."""
+    from ops.quant import quant_per_token_int8_ref
+
+    if residual is None:
+        y, r = rmsnorm_ref(x, weight, eps), None
+    else:
+        y, r = rmsnorm_add_ref(x, residual, weight, eps)
+    q, s = quant_per_token_int8_ref(y.reshape(-1, y.shape[-1]))
+    return q.view(y.shape), s.view(y.shape[:-1]), y, r
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None,
+                   inplace: bool = False, backend: str = "triton", config: dict[str, Any] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q int8 [..., D], scale f32 [...], normed bf16 [..., D], residual_out or None) in one launch.
+
+    With `residual`: residual_out = bf16(x + residual) and the norm runs on it (as `rms_norm`);
+    `inplace=True` writes the sum into `residual` itself (contiguous bf16; saves the copy launch a
+    decode step would otherwise pay), else a new tensor holds it. q/scale equal
+    `quantize_int8(normed)` bit for bit."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"rms_norm_quant: x must be bfloat16, got {x.dtype}")
+    if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
+        raise ValueError(f"rms_norm_quant: weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"rms_norm_quant: residual must be {tuple(x.shape)} {x.dtype}, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    if inplace and (residual is None or not residual.is_contiguous()):
+        raise ValueError("rms_norm_quant: inplace=True needs a contiguous residual")
+    if backend == "torch":
+        q, s, y, r = rms_norm_quant_ref(x, weight, eps, residual)
+        if inplace:
+            residual.copy_(r)
+            r = residual
+        return q, s, y, r
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    x2 = _rows(x)
+    M, D = x2.shape
+    out = torch.empty_like(x2)
+    q = torch.empty(M, D, dtype=torch.int8, device=x.device)
+    s = torch.empty(M, dtype=torch.float32, device=x.device)
+    lead = x.shape[:-1]
+    if residual is None:
+        cfg = config_for(rmsnorm_quant, {"M": M, "D": D}, M, config)
+        if M:
+            rmsnorm_quant(x2, weight, out, q, s, float(eps), config=cfg)
+        return q.view(x.shape), s.view(lead), out.view(x.shape), None
+    r2 = residual.view(-1, D) if inplace else residual.reshape(-1, D).clone()
+    cfg = config_for(rmsnorm_add_quant, {"M": M, "D": D}, M, config)
+    if M:
+        rmsnorm_add_quant(x2, r2, weight, out, q, s, float(eps), config=cfg)
+    return q.view(x.shape), s.view(lead), out.view(x.shape), (residual if inplace else r2.view(x.shape))

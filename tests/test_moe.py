@@ -184,6 +184,48 @@ def test_stage2_w4a8_i32_exact():
     assert torch.equal(part2, part)
 
 
+@pytest.mark.parametrize("w_rows,bn", [(0, 32), (1, 32), (1, 16)])
+def test_stage1_w4a8_w_rows_exact(w_rows, bn):
+    """W_ROWS (which side of the dot the weight rows take) leaves the i32 accumulators bit-identical."""
+    E, H, I, K, M = 16, 64, 32, 4, 5
+    W = make_weights("w4a8", E, H, I, seed=w_rows + bn)
+    g = torch.Generator().manual_seed(30 + bn + w_rows)
+    x8 = torch.randint(-127, 128, (M, H), generator=g, dtype=torch.int8)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(torch.int32)
+    sid, bexp = moe.moe_align(ids, E, 16)
+    ag, au = poisoned((sid.numel(), I), torch.int32), poisoned((sid.numel(), I), torch.int32)
+    moe.moe_stage1_w4a8_acc(x8, W.w13, sid, bexp, ag, au, K, config={"W_ROWS": w_rows, "BLOCK_N": bn, "BLOCK_K": 32})
+    acc = torch.cat([ag, au], 1)
+    from ops.packing import unpack_int4
+
+    q13 = unpack_int4(W.w13, "quark_reorder").long()
+    for s, t in enumerate(sid.tolist()):
+        if t < M * K:
+            assert torch.equal(acc[s].long(), q13[ids.reshape(-1)[t]] @ x8[t // K].long()), f"row {s}"
+
+
+@pytest.mark.parametrize("w_rows", [0, 1])
+def test_stage2_w4a8_pq_w_rows_exact(w_rows):
+    """Both W_ROWS forms of the pre-quantized stage 2: with unit scales the f32 output is the i32 dot."""
+    E, H, I, K, M = 16, 64, 32, 4, 3
+    W = make_weights("w4a8", E, H, I, seed=7 + w_rows)
+    g = torch.Generator().manual_seed(40 + w_rows)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(torch.int32)
+    sid, bexp = moe.moe_align(ids, E, 16)
+    h = torch.randint(-127, 128, (sid.numel(), I), generator=g)
+    T = M * K
+    part = poisoned((T, H), torch.float32)
+    moe.moe_stage2_w4a8_pq(h.to(torch.int8), torch.ones(sid.numel()), W.w2, torch.ones(E, H), sid, bexp,
+                           torch.ones(T), torch.empty(0, H), part, K,
+                           config={"REDUCE": "partial", "W_ROWS": w_rows, "BLOCK_N": 32, "BLOCK_K": 32})
+    from ops.packing import unpack_int4
+
+    q2 = unpack_int4(W.w2, "quark_reorder").long()
+    for s, t in enumerate(sid.tolist()):
+        if t < T:
+            assert torch.equal(part[t].long(), q2[ids.reshape(-1)[t]] @ h[s])
+
+
 # ----------------------------------------------------------------------------------------------
 # routed experts, all formats, vs the torch reference
 
@@ -298,3 +340,84 @@ def test_aot_w4a8_stages(arch, stage, M):
     assert r.matrix_in_main_loop > 0
     assert r.spills == 0 and r.scratch_bytes == 0
     assert r.lds_bytes <= r.lds_limit
+
+
+# ----------------------------------------------------------------------------------------------
+# stage 1 emitting int8 + group scales (stage2_quant="stage1"): exact to the reference of that math
+
+@pytest.mark.parametrize("bn,w_rows", [(32, 1), (16, 0)])
+def test_stage1_w4a8_q_matches_stage1_then_group_quant(bn, w_rows):
+    """moe_stage1_w4a8_q == group-quant (group BLOCK_N) of moe_stage1_w4a8's bf16 rows, bit for bit."""
+    E, H, I, K, M = 16, 64, 64, 4, 5
+    W = make_weights("w4a8", E, H, I, seed=11)
+    g = torch.Generator().manual_seed(12 + bn)
+    x8 = torch.randint(-127, 128, (M, H), generator=g, dtype=torch.int8)
+    xs = torch.rand(M, generator=g) * 0.02 + 1e-3
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(torch.int32)
+    sid, bexp = moe.moe_align(ids, E, 16)
+    S = sid.numel()
+    cfg = {"BLOCK_N": bn, "BLOCK_K": 32, "W_ROWS": w_rows}
+    hb = poisoned((S, I), torch.bfloat16)
+    moe.moe_stage1_w4a8(x8, xs, W.w13, W.s13, sid, bexp, hb, K, config=cfg)
+    q, s = poisoned((S, I), torch.int8), poisoned((S, I // bn), torch.float32)
+    moe.moe_stage1_w4a8_q(x8, xs, W.w13, W.s13, sid, bexp, q, s, K, config=cfg)
+    real = sid < M * K
+    q_ref, s_ref = moe.quant_groups_int8_ref(hb[real], bn)
+    assert torch.equal(q[real], q_ref) and torch.equal(s[real], s_ref)
+
+
+@pytest.mark.parametrize("w_rows", [0, 1])
+def test_stage2_w4a8_gq_exact(w_rows):
+    """Random int8 rows and group scales: the partial rows equal the reference's K-ordered f32 sum."""
+    E, H, I, K, M, G = 16, 64, 64, 4, 3, 32
+    W = make_weights("w4a8", E, H, I, seed=13)
+    g = torch.Generator().manual_seed(14 + w_rows)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(torch.int32)
+    wts = torch.rand(M, K, generator=g)
+    sid, bexp = moe.moe_align(ids, E, 16)
+    S, T = sid.numel(), M * K
+    hq = torch.randint(-127, 128, (S, I), generator=g).to(torch.int8)
+    hs = torch.rand(S, I // G, generator=g) * 0.01 + 1e-4
+    part = poisoned((T, H), torch.float32)
+    moe.moe_stage2_w4a8_gq(hq, hs, W.w2, W.s2, sid, bexp, wts.reshape(-1), torch.empty(0, H), part, K,
+                           config={"REDUCE": "partial", "BLOCK_K": G, "BLOCK_N": 32, "W_ROWS": w_rows})
+    from ops.packing import unpack_int4
+
+    w2 = unpack_int4(W.w2, "quark_reorder").double()
+    for srow, t in enumerate(sid.tolist()):
+        if t < T:
+            e = int(ids.reshape(-1)[t])
+            acc = torch.zeros(H)
+            for j in range(I // G):
+                c = slice(j * G, (j + 1) * G)
+                acc = acc + (w2[e][:, c] @ hq[srow, c].double()).float() * hs[srow, j]
+            assert torch.equal(part[t], acc * W.s2[e] * wts.reshape(-1)[t]), f"row {t}"
+
+
+@pytest.mark.parametrize("M,reduce", [(1, "atomic"), (4, "partial")])
+def test_experts_w4a8_stage1_quant(M, reduce):
+    W = make_weights("w4a8", KIMI_SMALL["E"], KIMI_SMALL["H"], KIMI_SMALL["I"], seed=20 + M)
+    x, wg, bias = make_inputs(M, KIMI_SMALL["E"], KIMI_SMALL["H"], seed=21 + M)
+    ids, wts = moe.route(x, wg, bias, KIMI_SMALL["top_k"], backend="torch", routed_scaling_factor=2.827)
+    cfg = {"stage2_quant": "stage1", "stage1": {"BLOCK_N": 32, "BLOCK_K": 64},
+           "stage2": {"BLOCK_N": 64, "REDUCE": reduce}}
+    y = moe.fused_experts(x, ids, wts, W, config=cfg)
+    ref = moe.experts_ref_gq(x, ids, wts, W, 32)
+    assert y.shape == (M, KIMI_SMALL["H"]) and torch.isfinite(y).all()
+    torch.testing.assert_close(y, ref, atol=1e-2 * ref.abs().max().item(), rtol=0)
+    old = moe.fused_experts(x, ids, wts, W, backend="torch")  # per-row quant: close, not equal
+    torch.testing.assert_close(y, old, atol=5e-2 * old.abs().max().item(), rtol=0)
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        moe.fused_experts(x, ids, wts, W, config={**cfg, "stage1": {"BLOCK_N": 16}})
+
+
+def test_experts_w4a16_w_rows():
+    """W4A16 stages with the weight rows on the dot's M side (W_ROWS 1) vs the torch reference."""
+    W = make_weights("w4a16", KIMI_SMALL["E"], KIMI_SMALL["H"], KIMI_SMALL["I"], seed=31)
+    x, wg, bias = make_inputs(3, KIMI_SMALL["E"], KIMI_SMALL["H"], seed=32)
+    ids, wts = moe.route(x, wg, bias, KIMI_SMALL["top_k"], backend="torch", routed_scaling_factor=2.827)
+    cfg = {"stage1": {**FAST["stage1"], "W_ROWS": 1}, "stage2": {**FAST["stage2"], "W_ROWS": 1, "REDUCE": "partial"}}
+    y = moe.fused_experts(x, ids, wts, W, config=cfg)
+    ref = moe.fused_experts(x, ids, wts, W, backend="torch")
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y, ref, atol=1e-2 * ref.abs().max().item(), rtol=0)
