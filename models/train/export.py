@@ -30,11 +30,12 @@ __all__ = ["TARGET_SIZES", "DRAFT_SIZES", "CAPTURE_IDS", "target_config", "draft
            "export_draft", "export_view", "target_from_checkpoint", "weights_hash", "GROUP"]
 
 GROUP = 32
-TARGET_SIZES: dict[str, Any] = dict(hidden=256, layers=6, heads=4, q_lora=128, kv_lora=64, nope=32, rope=16, v=32,
-                                    intermediate=768, moe_intermediate=64, experts=16, topk=4)
-DRAFT_SIZES: dict[str, Any] = dict(heads=4, kv_heads=2, head_dim=64, intermediate=768)
-# target layers whose INPUT residual stream feeds the draft (ours: 6 = the last layer's output)
-CAPTURE_IDS = (2, 4, 6)
+TARGET_SIZES: dict[str, Any] = dict(hidden=256, layers=4, heads=4, q_lora=128, kv_lora=64, nope=32, rope=16, v=32,
+                                    intermediate=512, moe_intermediate=64, experts=16, topk=4)
+DRAFT_SIZES: dict[str, Any] = dict(heads=4, kv_heads=2, head_dim=64, intermediate=512)
+# target layers whose INPUT residual stream feeds the draft (ours; 4 = the last layer's output, before the
+# final norm); the checkpoint's eagle_config holds them - 1. The default (2, N//2, N-3) degenerates for N=4.
+CAPTURE_IDS = (2, 3, 4)
 
 
 def target_config(vocab: int, bpe: int, s: dict[str, Any] = TARGET_SIZES) -> dict[str, Any]:
