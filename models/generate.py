@@ -1,11 +1,12 @@
 """`python -m models.generate`: speculative (EAGLE-3) vs plain decoding, metrics, lossless check.
 
-With no arguments it builds the embedded default: a tiny Kimi-K2.5-format target (`kimi-k25`
-fixture: MLA, MoE with compressed-tensors INT4 experts) and an EAGLE-3 draft (`eagle3` fixture),
-written by models.fixtures into a cache directory (`$XDG_CACHE_HOME/kdsl/fixtures`, default
-`~/.cache/kdsl/fixtures`; deterministic seeds) and loaded back through the real loader. The tiny
-models are random, so the draft rarely agrees with the target (accept length ~1.0); the point is that
-the spec output is identical to plain greedy decoding.
+With no arguments it runs the embedded default: the trained tiny pair shipped in
+models/data/tiny_pair (`python -m models.train`: a 4-layer Kimi-K2.5-format target, MLA + MoE with
+compressed-tensors INT4 experts and its own BPE tokenizer, trained on the Python standard library's
+sources, and its trained EAGLE-3 draft), on held-out code prompts: it prints code continuing them and
+acceptance figures that a broken draft wiring visibly lowers. The random fixtures (models.fixtures,
+`default_checkpoints`) stay for tests. `--speculative-config` takes vLLM's JSON spelling
+({"method": "eagle3", "num_speculative_tokens": 3, "model": DRAFT_DIR, "draft_tensor_parallel_size": 1}).
 
 Tokenizer: the target checkpoint's tiktoken BPE when it ships `tiktoken.model` (Kimi-K2 / K2.5:
 with `tokenizer_config.json`; special tokens written in a prompt become their ids), else byte-level
@@ -75,9 +76,9 @@ def _checkpoint_dir(p: str, flag: str) -> Path:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m models.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--target", help="target checkpoint dir; its tiktoken.model + tokenizer_config.json are the "
-                                     "tokenizer when present (default: the embedded tiny Kimi-format fixture, "
-                                     "byte-level tokenizer)")
-    ap.add_argument("--draft", help="EAGLE-3 draft checkpoint dir (default: the embedded tiny draft)")
+                                     "tokenizer when present (default: the shipped trained tiny pair, "
+                                     "models/data/tiny_pair)")
+    ap.add_argument("--draft", help="EAGLE-3 draft checkpoint dir (default: the shipped trained tiny draft)")
     ap.add_argument("--steps", type=int, default=3, help="draft steps per verify (chain: k draft tokens; tree: depth)")
     ap.add_argument("--topk", type=int, default=1, help="draft top-k (1 = chain; >1 = tree drafting)")
     ap.add_argument("--draft-tokens", type=int, default=None,
@@ -94,7 +95,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 for tiny models)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    ap.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                    help="vLLM's spelling: {\"method\": \"eagle3\", \"num_speculative_tokens\": K, \"model\": "
+                         "DRAFT_DIR, \"draft_tensor_parallel_size\": 1}; sets --steps (and --draft)")
     a = ap.parse_args(argv)
+    _apply_speculative_config(a)
     for name, v, lo in (("--steps", a.steps, 1), ("--topk", a.topk, 1), ("--max-new-tokens", a.max_new_tokens, 1),
                         ("--batch", a.batch, 1), ("--threads", a.threads, 1)):
         if v is not None and v < lo:
@@ -138,7 +143,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         params.draft_tokens = MAX_Q_LEN
     torch.manual_seed(a.seed)
     if a.target is None:
-        tdir, ddir = default_checkpoints()
+        tdir, ddir = trained_pair()
     else:
         tdir, ddir = _checkpoint_dir(a.target, "--target"), _checkpoint_dir(a.draft, "--draft")
     t0 = time.perf_counter()
@@ -148,12 +153,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(a.threads)
     elif tk.config.hidden_size <= 1024:
         torch.set_num_threads(1)               # tiny model: thread overhead dominates
-    target = KimiModel(tk, backend=a.backend)
+    target = KimiModel(tk, backend=a.backend, capture_ids=dk.config.capture_layer_ids(tk.config.num_hidden_layers))
     draft = Eagle3Draft(dk, target_embed=tk.get("model.embed_tokens.weight"),
                         target_hidden=tk.config.hidden_size, backend=a.backend)
     load_s = time.perf_counter() - t0
     tok = load_tokenizer(tdir, tk.config.vocab_size)
-    texts = a.prompt or DEFAULT_PROMPTS
+    texts = a.prompt or (trained_pair_prompts() if a.target is None else DEFAULT_PROMPTS)
     n = a.batch or len(texts)
     texts = [texts[i % len(texts)] for i in range(n)]
     prompts = [tok.encode(t) for t in texts]
@@ -212,6 +217,57 @@ def report(r: dict[str, Any]) -> str:
           else str(r["lossless"]).lower())
     out += ["", _table(rows), "", f"lossless (spec == plain greedy): {ll}"]
     return "\n".join(out)
+
+
+def trained_pair() -> tuple[Path, Path]:
+    """The embedded default: the trained pair shipped with the package (models.train)."""
+    from models.train import shipped_pair
+
+    return shipped_pair()
+
+
+def trained_pair_prompts(n: int = 4) -> list[str]:
+    """The first n held-out prompts shipped with the trained pair (code the target never saw)."""
+    from models.train import shipped_prompts
+
+    return shipped_prompts()[:n]
+
+
+_SPEC_KEYS = {"method", "num_speculative_tokens", "model", "draft_tensor_parallel_size"}
+
+
+def _speculative_config(v: str) -> dict[str, Any]:
+    """Parse and check --speculative-config (vLLM's JSON); errors name the field."""
+    try:
+        d = json.loads(v)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg})") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    bad = sorted(set(d) - _SPEC_KEYS)
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown field {bad[0]!r} (known: {', '.join(sorted(_SPEC_KEYS))})")
+    if d.get("method", "eagle3") not in ("eagle3", "eagle"):
+        raise argparse.ArgumentTypeError(f"field 'method' must be \"eagle3\", got {d['method']!r}")
+    k = d.get("num_speculative_tokens", 3)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise argparse.ArgumentTypeError(f"field 'num_speculative_tokens' must be an integer >= 1, got {k!r}")
+    tp = d.get("draft_tensor_parallel_size", 1)
+    if tp != 1:
+        raise argparse.ArgumentTypeError(f"field 'draft_tensor_parallel_size' must be 1 (one process), got {tp!r}")
+    if "model" in d and not isinstance(d["model"], str):
+        raise argparse.ArgumentTypeError(f"field 'model' must be a draft directory path, got {d['model']!r}")
+    return d
+
+
+def _apply_speculative_config(a: argparse.Namespace) -> None:
+    """--speculative-config sets --steps (num_speculative_tokens, a chain of that many drafts) and --draft."""
+    d = a.speculative_config
+    if not d:
+        return
+    a.steps = d.get("num_speculative_tokens", a.steps)
+    if "model" in d:
+        a.draft = d["model"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

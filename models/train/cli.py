@@ -156,10 +156,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.add_argument("--lr", type=float, default=4e-3)
             p.add_argument("--bpe-tokens", type=int, default=BPE_TOKENS, help="BPE ranks (bytes + merges)")
         else:
-            p.add_argument("--steps", type=int, default=600)
+            p.add_argument("--steps", type=int, default=200)
             p.add_argument("--batch", type=int, default=16)
             p.add_argument("--sequences", type=int, default=1024, help="target continuations to train on")
-            p.add_argument("--lr", type=float, default=2e-3)
+            p.add_argument("--lr", type=float, default=3e-3)
             p.add_argument("--eval-tokens", type=int, default=64, help="new tokens per prompt in the engine eval")
             p.add_argument("--no-engine-eval", action="store_true", help="skip the engine accept-length run")
     a = ap.parse_args(argv)

@@ -285,17 +285,21 @@ class DraftNet(nn.Module):
         g = c.num_attention_heads // c.num_key_value_heads
         return (q.transpose(1, 2), k.repeat_interleave(g, 2).transpose(1, 2), v.repeat_interleave(g, 2).transpose(1, 2))
 
-    def _finish(self, h: torch.Tensor, att: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _finish(self, h: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         B, nh, S, hd = att.shape
         r = h + self.o_proj(att.transpose(1, 2).reshape(B, S, nh * hd))
-        y = r + self.mlp(self.post_attention_layernorm(r))
-        return self.lm_head(self.norm(y)), y
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+    def head(self, y: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits of pre-norm states."""
+        return self.lm_head(self.norm(y))
 
     def unroll(self, tok: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test over rows p = 0..S-1 (row p: the token at p + 1 and the state of p, at rope
         position p). Step 1 runs on fc(aux); step j > 1 on step j-1's output of row p - 1 and attends
         to the step-1 rows <= p - j + 1 and to the step-i rows p - j + i (i = 2..j): what the chain draft
-        sees at inference. Returns each step's logits [B, S, Vd] (rows p < j - 1 are meaningless)."""
+        sees at inference. Returns each step's pre-norm states [B, S, H] (logits: `head`; rows p < j - 1
+        are meaningless)."""
         h = self.fc(aux)
         scale = self.c.head_dim ** -0.5
         ks, vs, out = [], [], []
@@ -312,8 +316,8 @@ class DraftNet(nn.Module):
             att = p[..., :S] @ vs[0]
             for n, i in enumerate(range(2, j + 1)):
                 att = att + p[..., S + n:S + n + 1] * _shift(vs[i - 1], j - i)
-            logits, y = self._finish(h, att)
-            out.append(logits)
+            y = self._finish(h, att)
+            out.append(y)
             h = _shift(y, 1)
         return out
 
