@@ -125,11 +125,12 @@ def cmd_draft(a: argparse.Namespace) -> int:
     if not a.no_engine_eval and (out / PROMPTS_FILE).exists():
         from models.bench_spec import load_prompts, run_config
 
-        prompts = load_prompts(out / PROMPTS_FILE)
+        prompts = load_prompts(out / PROMPTS_FILE)[: a.eval_prompts]
         r = run_config(tdir, out / "draft", prompts, steps=3, topk=1, draft_tokens=None,
                        max_new_tokens=a.eval_tokens)
         data["engine_chain3"] = {k: r[k] for k in ("accept_length", "per_position_acceptance",
                                                    "target_forwards_per_token", "lossless")}
+        data["engine_chain3"]["prompts"] = len(prompts)
         print(f"engine (torch backend), chain k=3 on {len(prompts)} held-out prompts: accept length "
               f"{r['accept_length']:.3f}, target forwards/token {r['target_forwards_per_token']:.3f}, "
               f"lossless {r['lossless']}")
@@ -156,14 +157,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.add_argument("--lr", type=float, default=4e-3)
             p.add_argument("--bpe-tokens", type=int, default=BPE_TOKENS, help="BPE ranks (bytes + merges)")
         else:
-            p.add_argument("--steps", type=int, default=200)
+            p.add_argument("--steps", type=int, default=100)
             p.add_argument("--batch", type=int, default=16)
-            p.add_argument("--sequences", type=int, default=1024, help="target continuations to train on")
+            p.add_argument("--sequences", type=int, default=768, help="target continuations to train on")
             p.add_argument("--lr", type=float, default=3e-3)
-            p.add_argument("--eval-tokens", type=int, default=64, help="new tokens per prompt in the engine eval")
+            p.add_argument("--eval-tokens", type=int, default=48, help="new tokens per prompt in the engine eval")
+            p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts in the engine eval")
             p.add_argument("--no-engine-eval", action="store_true", help="skip the engine accept-length run")
     a = ap.parse_args(argv)
-    for flag in ("steps", "batch", "threads", "limit_files", "seq", "sequences", "eval_tokens"):
+    for flag in ("steps", "batch", "threads", "limit_files", "seq", "sequences", "eval_tokens", "eval_prompts"):
         v = getattr(a, flag, None)
         if v is not None and v < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")

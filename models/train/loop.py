@@ -48,17 +48,17 @@ class TargetRun:
 @dataclass
 class DraftRun:
     seed: int = 0
-    steps: int = 200
+    steps: int = 100
     batch: int = 16
     ttt_steps: int = 3
     prompt_len: int = 32
     gen_len: int = 64
-    sequences: int = 1024
-    heldout_sequences: int = 64
+    sequences: int = 768
+    heldout_sequences: int = 32
     lr: float = 3e-3
-    warmup: int = 20
+    warmup: int = 10
     weight_decay: float = 0.0
-    step_weights: tuple[float, ...] = (1.0, 0.8, 0.64)
+    step_weights: tuple[float, ...] = (1.0, 1.0, 0.8)
     sizes: Optional[dict[str, Any]] = None
 
 
@@ -216,7 +216,16 @@ def train_draft(target: TargetNet, train_ids: torch.Tensor, held_ids: torch.Tens
         f"{run.prompt_len}+{run.gen_len} tokens ({gen_s:.0f} s)")
     torch.manual_seed(run.seed)
     draft = DraftNet(dc, target.embed_tokens.weight.detach(), max_len=max(1024, data.shape[1]))
-    with torch.no_grad():                          # start from the target's head: step 1 sees its last state
+    with torch.no_grad():
+        # start from the target's features and head: fc passes the last aux state (the target's last
+        # layer output) through, the midlayer's residual branches start at zero (o_proj, down_proj),
+        # norm + lm_head are the target's
+        H = target.c.hidden_size
+        if CAPTURE_IDS[-1] == target.c.num_hidden_layers and dc.hidden_size == H:
+            draft.fc.weight.zero_()
+            draft.fc.weight[:, 2 * H:].copy_(torch.eye(H))
+        draft.o_proj.weight.zero_()
+        draft.mlp.down_proj.weight.zero_()
         draft.lm_head.weight.copy_(target.lm_head.weight)
         draft.norm.weight.copy_(target.norm.weight)
     opt = _adamw([p for p in draft.parameters() if p.requires_grad], run.lr, run.weight_decay)
