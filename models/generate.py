@@ -10,7 +10,7 @@ acceptance figures that a broken draft wiring visibly lowers. The random fixture
 
 Tokenizer: the target checkpoint's tiktoken BPE when it ships `tiktoken.model` (Kimi-K2 / K2.5:
 with `tokenizer_config.json`; special tokens written in a prompt become their ids), else byte-level
-(token id = byte value, ids >= 256 print as <id>; the tiny default). Generation stops at the
+(token id = byte value, ids >= 256 print as <id>; the random fixtures). Generation stops at the
 checkpoint's generation eos (generation_config.json, else config.json, else tokenizer_config.json).
 --temperature > 0 uses sampled acceptance (target distribution preserved, chain or tree); --topk > 1
 is tree drafting (--draft-tokens = tree size incl. the root; on the triton backend at most 8, the
