@@ -157,9 +157,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.add_argument("--lr", type=float, default=4e-3)
             p.add_argument("--bpe-tokens", type=int, default=BPE_TOKENS, help="BPE ranks (bytes + merges)")
         else:
-            p.add_argument("--steps", type=int, default=100)
+            p.add_argument("--steps", type=int, default=400)
             p.add_argument("--batch", type=int, default=16)
-            p.add_argument("--sequences", type=int, default=768, help="target continuations to train on")
+            p.add_argument("--sequences", type=int, default=2048, help="target continuations to train on")
             p.add_argument("--lr", type=float, default=3e-3)
             p.add_argument("--eval-tokens", type=int, default=48, help="new tokens per prompt in the engine eval")
             p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts in the engine eval")

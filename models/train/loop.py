@@ -48,12 +48,12 @@ class TargetRun:
 @dataclass
 class DraftRun:
     seed: int = 0
-    steps: int = 100
+    steps: int = 400
     batch: int = 16
     ttt_steps: int = 3
     prompt_len: int = 32
     gen_len: int = 64
-    sequences: int = 768
+    sequences: int = 2048
     heldout_sequences: int = 32
     lr: float = 3e-3
     warmup: int = 10
