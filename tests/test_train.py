@@ -179,3 +179,41 @@ def test_weights_hash_sees_buffers():
     with torch.no_grad():
         net.moes()[0].e_score_correction_bias[0] += 1e-3
     assert weights_hash(net) != h
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["target", "--steps", "0"], "--steps must be >= 1"),
+    (["target", "--bpe-tokens", "10"], "--bpe-tokens must be >= 256"),
+    (["draft", "--lr", "0"], "--lr must be > 0"),
+])
+def test_cli_bad_flags(argv, msg, capsys):
+    from models.train.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_cli_draft_needs_a_target(tmp_path, capsys):
+    from models.train.cli import main
+
+    assert main(["draft", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no target checkpoint" in err and err.count("\n") == 1
+
+
+def test_cli_target_end_to_end(tmp_path, capsys):
+    """`python -m models.train target` on three stdlib files, one step: tokenizer, checkpoint, prompts,
+    manifest (with every file's sha256) all written and loadable."""
+    import json
+
+    from models.train.cli import main
+
+    out = tmp_path / "pair"
+    assert main(["target", "--out", str(out), "--limit-files", "3", "--bpe-tokens", "300", "--steps", "1",
+                 "--batch", "1", "--seq", "16"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["target"]["steps"] == 1 and m["target"]["bpe_tokens"] == 300 and "target/model.safetensors" in m["files"]
+    ck = load_target(out / "target")
+    assert ck.config.vocab_size == 300 + 256
+    assert load_tokenizer(out / "target", ck.config.vocab_size).kind == "tiktoken"

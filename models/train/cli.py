@@ -94,7 +94,7 @@ def load_tokenizer_checked(tdir: Path, vocab: int):
 
     tok = load_tokenizer(tdir, vocab)
     if tok.kind != "tiktoken":
-        raise SystemExit(f"error: {tdir}: no tiktoken.model")
+        raise FileNotFoundError(f"{tdir}: no tiktoken.model (the target's tokenizer)")
     return tok
 
 
@@ -108,8 +108,8 @@ def cmd_draft(a: argparse.Namespace) -> int:
     out = Path(a.out)
     tdir = out / "target"
     if not (tdir / "config.json").exists():
-        raise SystemExit(f"error: --out {out}: no target checkpoint at {tdir} (run `python -m models.train target` "
-                         "first)")
+        raise FileNotFoundError(f"--out {out}: no target checkpoint at {tdir} (run `python -m models.train target` "
+                                "first)")
     t0 = time.perf_counter()
     ck = load_target(tdir)
     assert isinstance(ck.config, DeepseekV3Config)

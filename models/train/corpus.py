@@ -53,6 +53,9 @@ def load_corpus(root: Optional[Path] = None, limit_files: Optional[int] = None) 
         except (UnicodeDecodeError, OSError):
             continue
         (held if is_heldout(p.name) else train).append((p.name, text))
+    if not train or not held:
+        raise ValueError(f"{root}: {len(train)} training and {len(held)} held-out files; both splits need one "
+                         "(raise --limit-files)")
     return Corpus(root, train, held)
 
 
