@@ -83,6 +83,7 @@ def cmd_target(a: argparse.Namespace) -> int:
     data.update(_env(torch.get_num_threads()), seed=a.seed, batch=a.batch, seq=a.seq, lr=a.lr,
                 corpus_digest=corpus.digest(), corpus_files=len(corpus.train) + len(corpus.heldout),
                 train_tokens=int(train_ids.numel()), bpe_tokens=n, wall_s=time.perf_counter() - t0,
+                cpu_s=time.process_time(),
                 heldout_prompts=len(prompts))
     update_manifest(out, "target", data)
     print(f"wrote {tdir} and {out / PROMPTS_FILE} ({len(prompts)} prompts) in {time.perf_counter() - t0:.0f} s")
@@ -135,6 +136,7 @@ def cmd_draft(a: argparse.Namespace) -> int:
               f"{r['accept_length']:.3f}, target forwards/token {r['target_forwards_per_token']:.3f}, "
               f"lossless {r['lossless']}")
     data["wall_s"] = time.perf_counter() - t0
+    data["cpu_s"] = time.process_time()
     update_manifest(out, "draft", data)
     print(f"wrote {out / 'draft'} in {time.perf_counter() - t0:.0f} s")
     return 0
