@@ -27,7 +27,7 @@ def test_default_is_the_trained_pair_and_drafts_well(capsys):
     assert r["target"] == str(t) and r["draft"] == str(d) and r["tokenizer"] == "tiktoken"
     assert r["lossless"] is True and r["steps"] == 3 and r["draft_tokens"] == 4
     assert r["prompts"] == shipped_prompts()[:4]
-    assert r["accept_length"] >= 2.5                      # measured 2.88; a broken wiring gives ~1.0
+    assert r["accept_length"] >= 2.3                      # measured 2.63 here; a broken wiring gives ~1.0
     assert all(o["spec_text"].strip() for o in r["outputs"])
 
 
