@@ -56,7 +56,6 @@ def _env(threads: int) -> dict[str, Any]:
 
 
 def cmd_target(a: argparse.Namespace) -> int:
-    from models.tokenizer import load_tokenizer
     from models.train.bpe import learn_merges, piece_counts, write_kimi_tokenizer
     from models.train.corpus import heldout_prompts, load_corpus
     from models.train.loop import TargetRun, train_target
