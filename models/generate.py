@@ -1,15 +1,16 @@
 """`python -m models.generate`: speculative (EAGLE-3) vs plain decoding, metrics, lossless check.
 
-With no arguments it builds the embedded default: a tiny Kimi-K2.5-format target (`kimi-k25`
-fixture: MLA, MoE with compressed-tensors INT4 experts) and an EAGLE-3 draft (`eagle3` fixture),
-written by models.fixtures into a cache directory (`$XDG_CACHE_HOME/kdsl/fixtures`, default
-`~/.cache/kdsl/fixtures`; deterministic seeds) and loaded back through the real loader. The tiny
-models are random, so the draft rarely agrees with the target (accept length ~1.0); the point is that
-the spec output is identical to plain greedy decoding.
+With no arguments it runs the embedded default: the trained tiny pair shipped in
+models/data/tiny_pair (`python -m models.train`: a 4-layer Kimi-K2.5-format target, MLA + MoE with
+compressed-tensors INT4 experts and its own BPE tokenizer, trained on the Python standard library's
+sources, and its trained EAGLE-3 draft), on held-out code prompts: it prints code continuing them and
+acceptance figures that a broken draft wiring visibly lowers. The random fixtures (models.fixtures,
+`default_checkpoints`) stay for tests. `--speculative-config` takes vLLM's JSON spelling
+({"method": "eagle3", "num_speculative_tokens": 3, "model": DRAFT_DIR, "draft_tensor_parallel_size": 1}).
 
 Tokenizer: the target checkpoint's tiktoken BPE when it ships `tiktoken.model` (Kimi-K2 / K2.5:
 with `tokenizer_config.json`; special tokens written in a prompt become their ids), else byte-level
-(token id = byte value, ids >= 256 print as <id>; the tiny default). Generation stops at the
+(token id = byte value, ids >= 256 print as <id>; the random fixtures). Generation stops at the
 checkpoint's generation eos (generation_config.json, else config.json, else tokenizer_config.json).
 --temperature > 0 uses sampled acceptance (target distribution preserved, chain or tree); --topk > 1
 is tree drafting (--draft-tokens = tree size incl. the root; on the triton backend at most 8, the
@@ -215,7 +216,7 @@ def _check_model_bounds(a: argparse.Namespace, tdir: Path, ddir: Path, num_draft
         raise ValueError(f"--draft {ddir}: config.json does not describe an EAGLE-3 draft")
     if a.topk > dc.draft_vocab_size:
         raise ValueError(f"--topk must be <= the draft vocab ({dc.draft_vocab_size}), got {a.topk}")
-    prompts = a.prompt or DEFAULT_PROMPTS
+    prompts = a.prompt or (trained_pair_prompts() if a.target is None else DEFAULT_PROMPTS)
     longest = max(len(p.encode("utf-8")) for p in prompts)       # >= its token count (a token is >= 1 byte)
     extra = num_draft_tokens + a.topk * a.topk * a.steps + a.steps + 2
     cap = longest + a.max_new_tokens + extra
@@ -270,9 +271,9 @@ def _json_safe(x: Any) -> Any:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap = _Parser(prog="python -m models.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--target", help="target checkpoint dir; its tiktoken.model + tokenizer_config.json are the "
-                                     "tokenizer when present (default: the embedded tiny Kimi-format fixture, "
-                                     "byte-level tokenizer)")
-    ap.add_argument("--draft", help="EAGLE-3 draft checkpoint dir (default: the embedded tiny draft)")
+                                     "tokenizer when present (default: the shipped trained tiny pair, "
+                                     "models/data/tiny_pair)")
+    ap.add_argument("--draft", help="EAGLE-3 draft checkpoint dir (default: the shipped trained tiny draft)")
     ap.add_argument("--steps", type=int, default=3, help="draft steps per verify (chain: k draft tokens; tree: depth)")
     ap.add_argument("--topk", type=int, default=1, help="draft top-k (1 = chain; >1 = tree drafting)")
     ap.add_argument("--draft-tokens", type=int, default=None,
@@ -295,7 +296,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="target layers to capture for the draft, e.g. 2,4,5 (taken as given: the residual stream "
                          "entering each layer; repeats allowed); default: the draft config's "
                          "eagle_aux_hidden_state_layer_ids, else (2, N//2, N-3)")
+    ap.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                    help="vLLM's spelling: {\"method\": \"eagle3\", \"num_speculative_tokens\": K, \"model\": "
+                         "DRAFT_DIR, \"draft_tensor_parallel_size\": 1}; sets --steps (and --draft)")
     a = ap.parse_args(argv)
+    _apply_speculative_config(a)
     _validate_args(ap, a)
     return a
 
@@ -326,7 +331,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         params.draft_tokens = MAX_Q_LEN
     torch.manual_seed(a.seed)
     if a.target is None:
-        tdir, ddir = default_checkpoints()
+        tdir, ddir = trained_pair()
     else:
         tdir, ddir = _checkpoint_dir(a.target, "--target"), _checkpoint_dir(a.draft, "--draft")
     _check_model_bounds(a, tdir, ddir, params.num_draft_tokens)
@@ -343,7 +348,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         target_hidden=tk.config.hidden_size, backend=a.backend)
     load_s = time.perf_counter() - t0
     tok = load_tokenizer(tdir, tk.config.vocab_size)
-    texts = a.prompt or DEFAULT_PROMPTS
+    texts = a.prompt or (trained_pair_prompts() if a.target is None else DEFAULT_PROMPTS)
     n = a.batch or len(texts)
     texts = [texts[i % len(texts)] for i in range(n)]
     prompts = [tok.encode(t) for t in texts]
@@ -411,6 +416,57 @@ def _one_line(e: BaseException) -> str:
         msg = f"{e.filename}: {e.strerror or e}"
     msg = str(msg).strip().splitlines()[0] if str(msg).strip() else type(e).__name__
     return msg
+
+
+def trained_pair() -> tuple[Path, Path]:
+    """The embedded default: the trained pair shipped with the package (models.train)."""
+    from models.train import shipped_pair
+
+    return shipped_pair()
+
+
+def trained_pair_prompts(n: int = 4) -> list[str]:
+    """The first n held-out prompts shipped with the trained pair (code the target never saw)."""
+    from models.train import shipped_prompts
+
+    return shipped_prompts()[:n]
+
+
+_SPEC_KEYS = {"method", "num_speculative_tokens", "model", "draft_tensor_parallel_size"}
+
+
+def _speculative_config(v: str) -> dict[str, Any]:
+    """Parse and check --speculative-config (vLLM's JSON); errors name the field."""
+    try:
+        d = json.loads(v)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg})") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    bad = sorted(set(d) - _SPEC_KEYS)
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown field {bad[0]!r} (known: {', '.join(sorted(_SPEC_KEYS))})")
+    if d.get("method", "eagle3") not in ("eagle3", "eagle"):
+        raise argparse.ArgumentTypeError(f"field 'method' must be \"eagle3\", got {d['method']!r}")
+    k = d.get("num_speculative_tokens", 3)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise argparse.ArgumentTypeError(f"field 'num_speculative_tokens' must be an integer >= 1, got {k!r}")
+    tp = d.get("draft_tensor_parallel_size", 1)
+    if tp != 1:
+        raise argparse.ArgumentTypeError(f"field 'draft_tensor_parallel_size' must be 1 (one process), got {tp!r}")
+    if "model" in d and not isinstance(d["model"], str):
+        raise argparse.ArgumentTypeError(f"field 'model' must be a draft directory path, got {d['model']!r}")
+    return d
+
+
+def _apply_speculative_config(a: argparse.Namespace) -> None:
+    """--speculative-config sets --steps (num_speculative_tokens, a chain of that many drafts) and --draft."""
+    d = a.speculative_config
+    if not d:
+        return
+    a.steps = d.get("num_speculative_tokens", a.steps)
+    if "model" in d:
+        a.draft = d["model"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -31,7 +31,7 @@ def test_json_default_is_lossless(cache_home, capsys):
     assert r["lossless"] is True and len(r["outputs"]) == 3 and len(r["per_position_acceptance"]) == 2
     assert 1.0 <= r["accept_length"] <= 3.0
     assert all(len(o["spec_ids"]) == 6 for o in r["outputs"])
-    assert (cache_home / "kdsl" / "fixtures" / "kimi-k25-seed0" / "config.json").exists()
+    assert r["target"] == str(G.trained_pair()[0]) and r["tokenizer"] == "tiktoken"   # the trained pair
     assert "spec (torch)" in out.err           # the progress bar goes to stderr
 
 
@@ -76,7 +76,7 @@ def test_byte_tokenizer_roundtrip(cache_home, capsys):
     assert tok.decode(tok.encode(s)) == s
     assert tok.decode([104, 300, 105]) == "h<300>i"
     assert G.main(["--json", "--max-new-tokens", "2", "--batch", "1"]) == 0   # the embedded default
-    assert json.loads(capsys.readouterr().out)["tokenizer"] == "byte"
+    assert json.loads(capsys.readouterr().out)["tokenizer"] == "tiktoken"     # the trained pair's own BPE
 
 
 def test_module_entry_point(cache_home):

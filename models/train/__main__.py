@@ -1,0 +1,5 @@
+import sys
+
+from models.train.cli import main
+
+sys.exit(main())
