@@ -20,7 +20,7 @@ from kdsl.targets import Target, get_target
 
 from . import costmodel
 from .buckets import ANY, bucket_for, bucket_m, bucket_order, parse_bucket
-from .problems import full_dims, loop_iters, model_for, problem_key, required_dims, shared_bytes, strip_m
+from .problems import extra_bytes, full_dims, loop_iters, model_for, problem_key, required_dims, shared_bytes, strip_m
 from .space import build
 from .store import SCHEMA_VERSION, file_path, kernel_source_hash, load_file, save_file
 
@@ -88,8 +88,9 @@ def score(kernel: Any, target: Target, problem: dict[str, Any], m: int, config: 
     gs = sp.grid_size(dims)
     reuse = pm.reuse_dim or pm.m_dim
     m_tiles = math.prod(g for g, e in zip(gs, sp.grid) if e.dim == reuse) or 1
+    extra = extra_bytes(kernel, problem, m, dims)
     fig = costmodel.predict(report, target, math.prod(gs), loop_iters(kernel, dims, sp.config), nbytes, flops,
-                            pm.peak_dtype, m_tiles, m_frac)
+                            pm.peak_dtype, m_tiles, m_frac, extra)
     fig["resources"] = {k: report.get(k) for k in ("vgpr", "agpr", "spills", "lds_bytes", "occupancy")}
     return fig
 
@@ -268,7 +269,7 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
             "triton_version": target_identity(target, False)["triton_version"], "mode": mode,
             "max_candidates": max_candidates, "budget_s": budget_s, "budget_hit": budget_hit,
             "elapsed_s": round(time.monotonic() - t0, 1),
-            "cost_model": "autotune.costmodel v2" if mode == "static" else "measured (CUDA/HIP events)",
+            "cost_model": "autotune.costmodel v3" if mode == "static" else "measured (CUDA/HIP events)",
             "problem_key": problem_key(kernel, prob),
         },
     }
