@@ -22,7 +22,7 @@ from . import costmodel
 from .buckets import ANY, bucket_for, bucket_m, bucket_order, parse_bucket
 from .problems import extra_bytes, full_dims, loop_iters, model_for, problem_key, required_dims, shared_bytes, strip_m
 from .space import build
-from .store import SCHEMA_VERSION, file_path, kernel_source_hash, load_file, save_file
+from .store import SCHEMA_VERSION, file_path, helpers_hash, kernel_helpers, kernel_source_hash, load_file, save_file
 
 DEFAULT_MAX_CANDIDATES = 32
 GRACE_S = 15.0  # how long compiles already running may finish after the budget
@@ -131,11 +131,24 @@ def parse_ms(items: list[Any]) -> list[int | str]:
 def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any], mode: str = "static",
          budget_s: float | None = None, seed: int = 0, out: str | None = None,
          max_candidates: int | None = DEFAULT_MAX_CANDIDATES, workers: int | None = None,
-         progress: bool = True, write: bool = True) -> tuple[str, dict[str, Any]]:
-    """Tune `kernel` at `problem` for the buckets of `ms`; returns (path, document)."""
+         progress: bool = True, write: bool = True, cu_count: int | None = None) -> tuple[str, dict[str, Any]]:
+    """Tune `kernel` at `problem` for the buckets of `ms`; returns (path, document). `cu_count`: tune
+    for a device of the arch with that many CUs (the file goes to <arch>/cu<N>/ unless it is the
+    arch's reference count)."""
     if mode not in ("static", "measured"):
         raise ValueError(f"mode must be 'static' or 'measured', got {mode!r}")
     target = get_target(arch)
+    ref_cu = target.cu_count
+    if cu_count is not None:
+        if cu_count < 1:
+            raise ValueError(f"cu_count must be >= 1, got {cu_count}")
+        import dataclasses
+
+        target = dataclasses.replace(target, cu_count=int(cu_count))
+    bad = {k: v for k, v in problem.items() if isinstance(v, int) and not isinstance(v, bool) and v < 1}
+    if bad:
+        k0 = next(iter(bad))
+        raise ValueError(f"problem dim {k0}={bad[k0]} must be a positive integer")
     if target.backend == "interpret":
         raise ValueError("cannot tune for the interpret target: pass --arch gfx942|gfx950|sm90 (or current on a GPU)")
     if mode == "measured":
@@ -264,6 +277,7 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
         "entries": entries,
         "provenance": {
             "kernel_source_hash": kernel_source_hash(kernel),
+            "helpers_hash": helpers_hash(kernel), "helpers": kernel_helpers(kernel),
             "search_space_hash": {str(b): spaces[b].hash for b in buckets},
             "seed": seed, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "triton_version": target_identity(target, False)["triton_version"], "mode": mode,
@@ -273,8 +287,9 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
             "problem_key": problem_key(kernel, prob),
         },
     }
-    path = os.path.join(out, target.name, os.path.basename(file_path(kernel, target.name, prob))) if out else \
-        file_path(kernel, target.name, prob)
+    sub = (target.name,) if target.cu_count == ref_cu else (target.name, f"cu{target.cu_count}")
+    path = os.path.join(out or os.path.dirname(os.path.dirname(file_path(kernel, target.name, prob))), *sub,
+                        os.path.basename(file_path(kernel, target.name, prob)))
     if write:
         if not entries:
             raise RuntimeError(f"no candidate of {kernel.name} compiled cleanly for {target.name}; nothing written")

@@ -8,7 +8,7 @@ ARCHS=${ARCHS:-"gfx942 gfx950"}
 MS="1,2,4,8,16,32,64,128,256,any"
 run() {  # kernel problem [max-candidates]
   for arch in $ARCHS; do
-    python -m autotune tune "$1" --problem "$2" --m "$MS" --arch "$arch" --max-candidates "${3:-48}" \
+    python -m autotune tune "$1" --problem "$2" --m "$MS" --arch "$arch" --max-candidates "${3:-48}" --in-place \
       --quiet ${TUNE_FLAGS:-}
   done
 }
