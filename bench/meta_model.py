@@ -154,6 +154,7 @@ class HostShadowMode(TorchDispatchMode):
     host_ops: int = 0
     device_reads: list[str] = field(default_factory=list)
     layer: int | None = None
+    marks: list[tuple[int, int | None]] = field(default_factory=list)  # (kdsl launches so far, layer)
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -273,14 +274,36 @@ def meta_forward(mode: HostShadowMode) -> Iterator[HostShadowMode]:
 # ---------------------------------------------------------------------------------------------
 # the model
 
+def _launches() -> int:
+    from kdsl.record import active
+
+    rec = active()
+    return len(rec.launches) if rec is not None else 0
+
+
 def _layer_tag(mode: HostShadowMode, i: int, fn: Callable) -> Callable:
     def call(*a: Any, **k: Any) -> Any:
         prev, mode.layer = mode.layer, i
+        mode.marks.append((_launches(), i))
         try:
             return fn(*a, **k)
         finally:
             mode.layer = prev
+            mode.marks.append((_launches(), prev))
     return call
+
+
+def launch_layers(mode: HostShadowMode, n: int) -> list[int | None]:
+    """The layer of each of the first n recorded kdsl launches (from the marks the layer tags left)."""
+    out: list[int | None] = []
+    j, cur = 0, None
+    marks = mode.marks
+    for i in range(n):
+        while j < len(marks) and marks[j][0] <= i:
+            cur = marks[j][1]
+            j += 1
+        out.append(cur)
+    return out
 
 
 def build_model(cfg: Any, experts: str, mode: HostShadowMode) -> Any:
