@@ -368,8 +368,8 @@ def cmd_tune_model(a: argparse.Namespace) -> int:
             p, doc = tune(kern, a.arch, prob, ms, budget_s=a.budget_s, seed=a.seed, out=out,
                           max_candidates=a.max_candidates, workers=a.workers, progress=not a.quiet,
                           cu_count=a.cu_count)
-        except (ValueError, RuntimeError) as e:
-            print(f"  FAILED {label}: {str(e).splitlines()[0]}")
+        except Exception as e:  # noqa: BLE001 - one problem failing does not stop the others
+            print(f"  FAILED {label}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             continue
         print(f"  wrote {p}" + ("  (budget hit)" if doc["provenance"].get("budget_hit") else ""))
         print(paste_lines(doc))

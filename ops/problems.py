@@ -188,6 +188,18 @@ def _split_partials(p: Problem, m: int, d: Problem) -> float:
     return rows * int(d.get("S", 1)) * (p["DL"] + 1) * 4.0
 
 
+def _combine_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    return {"B": _batch(p, m), "QH": p["QL"] * p["H"]}
+
+
+def _combine_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
+    """The split count of the split kernel it follows, unless the problem names one: the MLA
+    split kernel's default tiles (BLOCK_M 16, BLOCK_N 64) at the problem's context."""
+    if "S" in d:
+        return {}
+    return {"S": num_splits([_ctx(d)] * d["B"], d["QL"], d["H"], 16, cu_count=target.cu_count, block_n=64)}
+
+
 def _batch_rows(d: Problem) -> int:
     return int(d.get("B", 1)) * int(d.get("QL", 1))
 
@@ -264,6 +276,7 @@ MODELS += [
     ProblemModel("silu_mul", ("I",), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
                  bytes_fn=_rows("I", lambda p: p["I"] * 6), flops_fn=lambda p, m: 6.0 * m * p["I"]),
     ProblemModel("rope_*", ("H", "R"), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
+                 derived=lambda p, m, c: {"R2": p["R"] // 2},
                  bytes_fn=_rows("R", lambda p: p["H"] * p["R"] * 4 + p["R"] * 4),
                  flops_fn=lambda p, m: 3.0 * m * p["H"] * p["R"]),
     ProblemModel("moe_route", ("E", "TOPK"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
@@ -277,11 +290,14 @@ MODELS += [
     ProblemModel("moe_sum", ("H", "TOPK"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
                  bytes_fn=_rows("H", lambda p: p["H"] * 4 * (p["TOPK"] + 1)), flops_fn=lambda p, m: m * p["H"] * p["TOPK"]),
     ProblemModel("mla_decode_combine", ("QL", "H", "DL"), m_block=None, peak_dtype="f32", loop_dim=None,
-                 loop_block=None, bytes_fn=_combine_bytes(2), extra_bytes_fn=_combine_extra, m_of=_batch_rows),
+                 loop_block=None, bytes_fn=_combine_bytes(2), extra_bytes_fn=_combine_extra, m_of=_batch_rows,
+                 derived=_combine_derived, launch_dims=_combine_launch),
     ProblemModel("mla_decode_combine_f32", ("QL", "H", "DL"), m_block=None, peak_dtype="f32", loop_dim=None,
-                 loop_block=None, bytes_fn=_combine_bytes(4), extra_bytes_fn=_combine_extra, m_of=_batch_rows),
+                 loop_block=None, bytes_fn=_combine_bytes(4), extra_bytes_fn=_combine_extra, m_of=_batch_rows,
+                 derived=_combine_derived, launch_dims=_combine_launch),
     ProblemModel("mha_decode_combine*", ("QL", "H", "DL"), m_block=None, peak_dtype="f32", loop_dim=None,
-                 loop_block=None, bytes_fn=_combine_bytes(2), extra_bytes_fn=_combine_extra, m_of=_batch_rows),
+                 loop_block=None, bytes_fn=_combine_bytes(2), extra_bytes_fn=_combine_extra, m_of=_batch_rows,
+                 derived=_combine_derived, launch_dims=_combine_launch),
 ]
 
 register(*MODELS)
