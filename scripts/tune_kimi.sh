@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Regenerate the committed tuned configs for the Kimi-K2.5 + EAGLE-3 shapes (static mode: no GPU
-# needed). Usage: bash scripts/tune_kimi.sh [group ...]   groups: moe mla mha (default: all).
+# needed). Usage: bash scripts/tune_kimi.sh [group ...]   groups: moe mla mha step (default: moe mla mha).
+# "step" tunes every kernel the Kimi decode/verify step launches (autotune tune-model, both expert
+# formats, M buckets 1..128); STEP_FLAGS adds flags to it (e.g. "--skip-tuned --max-candidates 12").
 # Extra flags for every run go in TUNE_FLAGS, e.g. TUNE_FLAGS="--mode measured --arch current".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +29,14 @@ mla() {  # Kimi MLA decode: 64 heads, latent 512 + rope 64, page 64; M = batch x
 mha() {  # EAGLE-3 draft attention: 64 heads x 128 over its own paged cache (page 64), q_len 1 and 4
   run mha_decode QL=1,HQ=64,KVH=64,D=128,PS=64 24
   MS="4,8,16,32,64,128,256,any" run mha_decode QL=4,HQ=64,KVH=64,D=128,PS=64 24
+}
+step() {  # every kdsl launch of the recorded decode (q_len 1) and verify (q_len 4) step
+  for arch in $ARCHS; do
+    for experts in w4a8 w4a16; do
+      python -m autotune tune-model --config kimi-k2.5 --experts "$experts" --arch "$arch" --in-place \
+        --quiet ${STEP_FLAGS:-}
+    done
+  done
 }
 groups=("$@")
 [ ${#groups[@]} -eq 0 ] && groups=(moe mla mha)
