@@ -347,9 +347,13 @@ def cmd_tune_model(a: argparse.Namespace) -> int:
     probs = step_problems(cfg, a.experts, a.arch, [int(q) for q in qls if q != ANY])
     only = set(x.strip() for x in a.only.split(",")) if a.only else None
     print(f"{len(probs)} distinct kernel problems in the step ({a.experts}, tp {a.tp}, {a.arch})")
-    for kern, prob in probs:
+    for kern, prob, m_min in probs:
         if only and kern.name not in only:
             continue
+        from .buckets import bucket_for
+
+        # buckets below the smallest M this launch can have (q_len 4 attention: M >= 4) are never used
+        want = [m for m in ms if m == ANY or bucket_for(m) >= bucket_for(max(1, m_min))] or ms
         label = f"{kern.name} " + ",".join(f"{k}={v}" for k, v in prob.items())
         if a.dry_run:
             print("  " + label)
@@ -358,14 +362,14 @@ def cmd_tune_model(a: argparse.Namespace) -> int:
         if a.skip_tuned and os.path.exists(path):
             try:
                 have = {e["bucket"] for e in load_file(path)["entries"]}
-                if all(m in have for m in ms):
+                if all(m in have for m in want):
                     print(f"  skip {label}: {path} has every bucket")
                     continue
             except Exception:  # noqa: BLE001
                 pass
         print(f"  tune {label}", flush=True)
         try:
-            p, doc = tune(kern, a.arch, prob, ms, budget_s=a.budget_s, seed=a.seed, out=out,
+            p, doc = tune(kern, a.arch, prob, want, budget_s=a.budget_s, seed=a.seed, out=out,
                           max_candidates=a.max_candidates, workers=a.workers, progress=not a.quiet,
                           cu_count=a.cu_count)
         except Exception as e:  # noqa: BLE001 - one problem failing does not stop the others

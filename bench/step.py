@@ -100,12 +100,13 @@ def record_step(cfg: Any, experts: str, arch: str, batch: int, ctx: int, q_len: 
 
 
 def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: int = 1, ctx: int = 8192
-                  ) -> list[tuple[Any, dict[str, Any]]]:
-    """Distinct (kernel, keyed problem) of the kdsl launches of the recorded steps (for tune-model).
-    Kernels whose op looks up no tuned config are left out (nothing would read their files)."""
-    from autotune.problems import strip_m
+                  ) -> list[tuple[Any, dict[str, Any], int]]:
+    """Distinct (kernel, keyed problem, smallest M launched) of the kdsl launches of the recorded
+    steps (for tune-model). Kernels whose op looks up no tuned config are left out (nothing would
+    read their files). The smallest M matters for decode attention: at q_len 4, M = batch x 4."""
+    from autotune.problems import m_of, strip_m
 
-    out: dict[tuple, tuple[Any, dict[str, Any]]] = {}
+    out: dict[tuple, tuple[Any, dict[str, Any], int]] = {}
     mode = HostShadowMode()
     model = build_model(cfg, experts, mode)
     for ql in q_lens:
@@ -115,7 +116,10 @@ def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: i
             if r.kernel.name not in looked:
                 continue
             p = strip_m(r.kernel, r.dims)
-            out.setdefault((r.kernel.name, json.dumps(p, sort_keys=True)), (r.kernel, p))
+            key = (r.kernel.name, json.dumps(p, sort_keys=True))
+            m = m_of(r.kernel, r.dims) // max(1, batch)  # per sequence: the batch-1 M of this launch
+            prev = out.get(key)
+            out[key] = (r.kernel, p, min(m, prev[2]) if prev else m)
     return [out[k] for k in sorted(out)]
 
 
@@ -280,6 +284,7 @@ def launch_layers(rec: StepRecord) -> list[int | None]:
 def summarize(items: list[Item], rec: StepRecord, cfg: Any, full_layers: int, top: int = 10) -> dict[str, Any]:
     """Totals, per-layer launch counts, the top items by share and the fallbacks."""
     pred = sum((it.predicted_us + it.gap_us) * it.weight for it in items if math.isfinite(it.predicted_us))
+    pred_rec = sum(it.predicted_us + it.gap_us for it in items if math.isfinite(it.predicted_us))
     floor = sum(it.floor_us * it.weight for it in items if math.isfinite(it.floor_us))
     gaps = sum(it.gap_us * it.weight for it in items)
     n_kdsl = sum(it.weight for it in items if it.kind == "kdsl")
@@ -310,7 +315,7 @@ def summarize(items: list[Item], rec: StepRecord, cfg: Any, full_layers: int, to
     fb = [g for g in ranked if g["kind"] == "kdsl" and g["tuned"] != "tuned"]
     return {"q_len": rec.q_len, "launches": round(n_kdsl + n_torch), "kdsl_launches": round(n_kdsl),
             "torch_launches": round(n_torch), "launches_per_layer": per_layer, "predicted_us": pred,
-            "floor_us": floor, "gaps_us": gaps, "ratio": pred / floor if floor else math.inf,
+            "floor_us": floor, "gaps_us": gaps, "predicted_us_recorded_layers": pred_rec, "ratio": pred / floor if floor else math.inf,
             "layers_recorded": rec.layers, "layers": full_layers, "host_ops": rec.mode.host_ops,
             "device_reads": len(rec.mode.device_reads), "record_s": round(rec.record_s, 2),
             "top": ranked[:top], "fallbacks": [{"name": g["name"], "shape": g["shape"], "why": g["tuned"],
@@ -540,10 +545,15 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # noqa: BLE001
         gpu = False
     if gpu:
+        if cfg.num_hidden_layers > 4:
+            log("note: measuring on the GPU needs the weights in memory: pass --layers 2..4 (the prediction "
+                "for the same recorded layers is printed beside it)")
         for fmt in a.fmts:
             for ql in a.qls:
                 try:
                     m = measure_gpu(cfg, fmt, a.batch, a.ctx, ql)
+                    here = [s for s in doc["steps"] if s["experts"] == fmt and s["q_len"] == ql]
+                    m["predicted_us_same_layers"] = {s["arch"]: s["predicted_us_recorded_layers"] for s in here}
                 except Exception as e:  # noqa: BLE001
                     m = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]}
                 m.update(experts=fmt, q_len=ql)
