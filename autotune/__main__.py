@@ -353,7 +353,8 @@ def cmd_tune_model(a: argparse.Namespace) -> int:
         from .buckets import bucket_for
 
         # buckets below the smallest M this launch can have (q_len 4 attention: M >= 4) are never used
-        want = [m for m in ms if m == ANY or bucket_for(m) >= bucket_for(max(1, m_min))] or ms
+        lo = bucket_for(max(1, m_min))
+        want = [m for m in ms if m == ANY or bucket_for(m) >= lo] or [lo, ANY]  # e.g. MoE padded rows (M=144)
         label = f"{kern.name} " + ",".join(f"{k}={v}" for k, v in prob.items())
         if a.dry_run:
             print("  " + label)
