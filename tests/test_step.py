@@ -265,3 +265,34 @@ def test_bench_step_cli_bad_input(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and err.startswith("bench.step:")
+
+
+def test_bench_step_json_and_plot(monkeypatch, capsys, tmp_path):
+    """The whole CLI on a 2-layer record, with AOT reports stubbed (the compile is covered above)."""
+    import bench.step as st
+
+    fake = {"ok": True, "matrix_instructions": {"v_mfma_f32_16x16x16_bf16": 4}, "matrix_in_main_loop": 4,
+            "valu_instructions": 50, "valu_in_main_loop": 10, "num_warps": 4, "occupancy": 4, "spills": 0,
+            "lds_slot_bytes_in_main_loop": 64}
+    monkeypatch.setattr(st, "compile_reports",
+                        lambda launches, arch, workers=None, log=None: {st._report_key(r, arch): fake for r in launches})
+    png = tmp_path / "step.png"
+    argv = ["--layers", "2", "--arch", "gfx942", "--experts", "w4a8", "--q-lens", "1,4", "--json", "--no-measure"]
+    try:
+        import matplotlib  # noqa: F401
+        argv += ["--plot", str(png)]
+    except ImportError:
+        pass
+    assert st.main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["layers"] == 61 and doc["layers_recorded"] == 2 and doc["assumptions"]["launch_gap_us"]
+    d1, d4 = doc["steps"]
+    assert (d1["q_len"], d4["q_len"]) == (1, 4)
+    for s in (d1, d4):
+        assert s["kdsl_launches"] > 61 * 10 and s["torch_launches"] > 0
+        assert s["predicted_us"] > s["floor_us"] > 0 and s["gaps_us"] == pytest.approx(2.0 * s["launches"], rel=0.02)
+        assert s["launches_per_layer"]["moe"]["kdsl"] >= 15 and len(s["top"]) == 10
+        assert all(f["why"] in ("fallback", "no lookup") for f in s["fallbacks"])
+        assert {"moe_align_blocks", "moe_align_scatter"} <= {f["name"] for f in s["fallbacks"]}
+    if "--plot" in argv:
+        assert png.stat().st_size > 10000
