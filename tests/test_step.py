@@ -53,6 +53,7 @@ def test_loop_note_on_the_line_after_the_label_nested_loops():
 
 
 @pytest.mark.slow
+@pytest.mark.aot
 def test_gfx950_moe_stage1_w4a16_main_loop_is_found():
     """The committed gfx950 W4A16 stage-1 config: its K loop has MFMA and LDS work (was 0)."""
     from autotune.problems import full_dims
@@ -213,6 +214,7 @@ def test_autotune_cli_bad_input_is_one_line_exit_2(argv, needle, tmp_path, capsy
     assert not os.path.exists(tmp_path / "o" / "gfx942")
 
 
+@pytest.mark.aot
 def test_tune_writes_only_where_asked(tmp_path, capsys):
     from autotune.__main__ import main
 
