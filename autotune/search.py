@@ -117,6 +117,27 @@ def predict_config(kernel: Any, arch: str | Target, problem: dict[str, Any], m: 
     return fig
 
 
+def _prior_configs(kernel: Any, target: Target, static: dict[str, Any], path: str) -> list[dict[str, Any]]:
+    """The tunable + option part of every entry of an existing file at `path` that still specializes."""
+    if not os.path.exists(path):
+        return []
+    try:
+        doc = load_file(path)
+    except Exception:  # noqa: BLE001 - a bad old file has nothing to offer
+        return []
+    names = set(kernel.tunables(target, static)) | {o.name for o in target.options}
+    out: list[dict[str, Any]] = []
+    for e in doc["entries"]:
+        c = {k: v for k, v in e["config"].items() if k in names}
+        try:
+            kernel.specialize(c, target, static)
+        except Exception:  # noqa: BLE001
+            continue
+        if c not in out:
+            out.append(c)
+    return out
+
+
 def parse_ms(items: list[Any]) -> list[int | str]:
     """M values or buckets (ints, "any") -> sorted distinct buckets."""
     out = set()
@@ -170,6 +191,15 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     spaces = {}
     for b in buckets:
         spaces[b] = build(kernel, target, static, bucket_m(b), seed, max_candidates, pm.m_block)
+    # warm start: the configs of the file being replaced compete too (a smaller sample never loses
+    # a config an earlier, larger search found; the cost model re-ranks them)
+    prior_path = os.path.join(out, target.name, os.path.basename(file_path(kernel, target.name, prob))) if out else \
+        file_path(kernel, target.name, prob)
+    priors = _prior_configs(kernel, target, static, prior_path)
+    for b in buckets:
+        for c in priors:
+            if spaces[b].admits(c) and c not in spaces[b].candidates:
+                spaces[b].candidates.insert(1, c)
     # unique compiles: (config, signature class of M)
     # round robin over the buckets, so a budget stop still leaves every bucket candidates
     jobs: dict[tuple, tuple[dict, dict]] = {}
