@@ -210,7 +210,7 @@ def cost_step(rec: StepRecord, cfg: Any, arch: str, ctx: int, gap: str = "graph"
               workers: int | None = None, log: Any = None) -> list[Item]:
     """Predicted and floor time of every launch of the recorded step (see module docstring)."""
     from autotune import costmodel
-    from autotune.problems import key_dims, m_of, model_for
+    from autotune.problems import key_dims, m_of
     from autotune.search import score
     from kdsl.targets import get_target
 
@@ -500,12 +500,14 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(str(e), file=sys.stderr)
         return 2
+    from autotune import costmodel
+
     log = (lambda m: print(m, file=sys.stderr)) if a.json else (lambda m: print(m, flush=True))
     doc: dict[str, Any] = {"config": a.config, "batch": a.batch, "ctx": a.ctx, "tp": a.tp, "gap": a.gap,
                            "layers": full.num_hidden_layers, "layers_recorded": cfg.num_hidden_layers,
-                           "assumptions": {"launch_gap_us": __import__("autotune.costmodel").costmodel.LAUNCH_GAP_US,
+                           "assumptions": {"launch_gap_us": costmodel.LAUNCH_GAP_US,
                                            "allreduce_latency_us_bw_gbps": ALLREDUCE,
-                                           "lds_bytes_per_clk": __import__("autotune.costmodel").costmodel.LDS_BYTES_PER_CLK},
+                                           "lds_bytes_per_clk": costmodel.LDS_BYTES_PER_CLK},
                            "steps": []}
     if a.tp > 1:
         log(f"note: the model has no tensor parallelism yet; --tp {a.tp} builds the per-GPU shapes "

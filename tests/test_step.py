@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from autotune import costmodel, store
 from kdsl import aot
