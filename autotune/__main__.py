@@ -11,6 +11,19 @@ from typing import Any
 from .buckets import ANY
 
 
+class UsageError(Exception):
+    """A bad input: printed as one line naming the flag, field or file; exit status 2."""
+
+
+def _fail(msg: str) -> None:
+    raise UsageError(msg)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage + message)
+        raise UsageError(f"{self.prog}: {message}")
+
+
 def _kernels(extra: list[str] | None = None) -> dict[str, Any]:
     """kdsl's registry after loading the kernel packages and every submodule of them (a package's
     __init__ need not import its op modules); a module that fails to import is reported, not fatal."""
@@ -41,33 +54,98 @@ def _get_kernel(name: str, extra: list[str] | None = None) -> Any:
         import difflib
 
         close = difflib.get_close_matches(name, reg, n=3)
-        raise SystemExit(f"autotune: unknown kernel {name!r}" + (f"; did you mean {', '.join(close)}?" if close else "")
-                         + " (`python -m kdsl list` shows them)")
+        _fail(f"autotune: unknown kernel {name!r}" + (f"; did you mean {', '.join(close)}?" if close else "")
+              + " (`python -m kdsl list` shows them)")
     return reg[name]
+
+
+def _out_dir(a: argparse.Namespace) -> str | None:
+    """--out, or the package's config folder with --in-place; neither is an error (never write
+    into the installed package unasked)."""
+    if a.out and a.in_place:
+        _fail("autotune: --out and --in-place exclude each other")
+    if not a.out and not a.in_place:
+        _fail("autotune: --out DIR is required (or --in-place to write into the package's autotune/configs)")
+    if a.out:
+        if os.path.exists(a.out) and not os.path.isdir(a.out):
+            _fail(f"autotune: --out {a.out!r} is not a folder")
+        return a.out
+    return None
+
+
+def _ms(text: str, flag: str = "--m") -> list[Any]:
+    ms = [s.strip() for s in text.split(",") if s.strip()]
+    if not ms:
+        _fail(f"autotune: {flag} is empty")
+    out: list[Any] = []
+    for s in ms:
+        if s == ANY:
+            out.append(ANY)
+            continue
+        try:
+            v = int(s)
+        except ValueError:
+            _fail(f"autotune: {flag} takes positive ints and 'any', got {s!r}")
+        if v < 1 or v > 1 << 20:
+            _fail(f"autotune: {flag} values must be in 1..{1 << 20}, got {v}")
+        out.append(v)
+    return out
+
+
+def _common_checks(a: argparse.Namespace) -> None:
+    from kdsl.targets import get_target
+
+    try:
+        t = get_target(a.arch)
+    except Exception as e:  # noqa: BLE001
+        _fail(f"autotune: --arch {a.arch!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    if t.backend == "interpret":
+        _fail("autotune: --arch: cannot tune for the interpret target (use gfx942, gfx950, sm90 or current on a GPU)")
+    if a.budget_s is not None and not (a.budget_s > 0 and math.isfinite(a.budget_s)):
+        _fail(f"autotune: --budget-s must be a positive finite number, got {a.budget_s}")
+    if a.max_candidates is not None and a.max_candidates < 0:
+        _fail(f"autotune: --max-candidates must be >= 0, got {a.max_candidates}")
+    if a.workers is not None and not 1 <= a.workers <= 256:
+        _fail(f"autotune: --workers must be in 1..256, got {a.workers}")
+    if getattr(a, "cu_count", None) is not None and not 1 <= a.cu_count <= 4096:
+        _fail(f"autotune: --cu-count must be in 1..4096, got {a.cu_count}")
 
 
 def cmd_tune(a: argparse.Namespace) -> int:
     from .problems import parse_problem
     from .search import tune
 
+    _common_checks(a)
+    out = _out_dir(a)
     k = _get_kernel(a.kernel, a.module)
     try:
         problem = parse_problem(a.problem)
     except ValueError as e:
-        raise SystemExit(f"autotune: --problem: {e}") from None
-    ms = [s.strip() for s in a.m.split(",") if s.strip()]
+        _fail(f"autotune: --problem: {e}")
+    for d, v in problem.items():
+        if not isinstance(v, int) or v < 1:
+            _fail(f"autotune: --problem: dim {d}={v!r} must be a positive integer")
+        if d not in k.signature.all_dims():
+            _fail(f"autotune: --problem: {d!r} is not a dim of kernel {k.name} (dims: {', '.join(k.signature.all_dims())})")
+    ms = _ms(a.m)
     try:
-        ms = [ANY if s == ANY else int(s) for s in ms]
-    except ValueError:
-        raise SystemExit(f"autotune: --m takes ints and 'any', got {a.m!r}") from None
-    try:
-        path, doc = tune(k, a.arch, problem, ms, mode=a.mode, budget_s=a.budget_s, seed=a.seed, out=a.out,
-                         max_candidates=a.max_candidates, workers=a.workers, progress=not a.quiet)
-    except (ValueError, RuntimeError) as e:
-        raise SystemExit(f"autotune: {e}") from None
+        path, doc = tune(k, a.arch, problem, ms, mode=a.mode, budget_s=a.budget_s, seed=a.seed, out=out,
+                         max_candidates=a.max_candidates, workers=a.workers, progress=not a.quiet,
+                         cu_count=a.cu_count)
+    except (ValueError, RuntimeError, OSError) as e:
+        _fail(f"autotune: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     print(f"wrote {path}")
     print(table(doc))
+    print(paste_lines(doc))
     return 0
+
+
+def paste_lines(doc: dict[str, Any]) -> str:
+    """One line per bucket that can be pasted as a `config=` argument of the op (or `--config` JSON)."""
+    lines = [f"# {doc['kernel']} {doc['arch']} " + ",".join(f"{k}={v}" for k, v in doc["problem"].items())]
+    for e in doc["entries"]:
+        lines.append(f"M<={e['bucket']}: config=" + json.dumps(e["config"], sort_keys=True))
+    return "\n".join(lines)
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -95,7 +173,7 @@ def cmd_show(a: argparse.Namespace) -> int:
     try:
         doc = load_file(a.file)
     except ConfigFileError as e:
-        raise SystemExit(f"autotune: {e}") from None
+        _fail(f"autotune: {e}")
     print(json.dumps(doc, indent=1) if a.json else table(doc))
     return 0
 
@@ -111,7 +189,7 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
 
     from .problems import full_dims
     from .search import REPORT_M, _run_job
-    from .store import ConfigFileError, iter_files, kernel_source_hash, load_file
+    from .store import ConfigFileError, helpers_hash, iter_files, kernel_source_hash, load_file
 
     reg = _kernels(extra)
     files = iter_files(root)
@@ -129,6 +207,10 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
         if doc["provenance"].get("kernel_source_hash") != h:
             log(f"STALE {path}: kernel source hash {doc['provenance'].get('kernel_source_hash')} != current {h} "
                 f"(re-tune: python -m autotune tune {k.name} ...)")
+            stale += 1
+        elif "helpers_hash" in doc["provenance"] and doc["provenance"]["helpers_hash"] != helpers_hash(k):
+            log(f"STALE {path}: a helper of {k.name} changed (helpers hash {doc['provenance']['helpers_hash']} != "
+                f"current {helpers_hash(k)}; re-tune)")
             stale += 1
         entries = doc["entries"] if sample is None else doc["entries"][:sample]
         for e in entries:
@@ -153,6 +235,10 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
 
 
 def cmd_check(a: argparse.Namespace) -> int:
+    if a.dir is not None and not os.path.isdir(a.dir):
+        _fail(f"autotune: check: {a.dir!r} is not a folder")
+    if a.workers is not None and not 1 <= a.workers <= 256:
+        _fail(f"autotune: --workers must be in 1..256, got {a.workers}")
     n, bad, stale = check_files(a.dir, compile=not a.no_compile, extra=a.module, workers=a.workers)
     print(f"checked {n} files: {bad} problems, {stale} stale kernel hashes")
     if bad or (stale and a.strict_hash):
@@ -161,10 +247,10 @@ def cmd_check(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m autotune",
+    p = _Parser(prog="python -m autotune",
                                 description="Shape-aware tuning of kdsl kernels: one JSON per (kernel, arch, problem) "
                                             "with a config per M bucket (1, 2, 4, ..., 8192, any).")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     t = sub.add_parser("tune", help="tune a kernel at a problem for some M buckets and write its JSON file")
     t.add_argument("kernel", help="kernel name (`python -m kdsl list`)")
     t.add_argument("--problem", required=True, help="dims other than M, e.g. N=2048,K=7168")
@@ -179,7 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--max-candidates", type=int, default=32,
                    help="candidates per bucket after pruning (seeded sample when the space is larger; 0 = all)")
     t.add_argument("--workers", type=int, default=None, help="parallel compiles (default: all cores)")
-    t.add_argument("--out", default=None, help="root folder (default: autotune/configs); file goes to OUT/<arch>/")
+    t.add_argument("--out", default=None, help="root folder; the file goes to OUT/<arch>/ (OUT/<arch>/cu<N>/ with --cu-count)")
+    t.add_argument("--in-place", action="store_true",
+                   help="write into the package's autotune/configs instead of --out (one of the two is required)")
+    t.add_argument("--cu-count", type=int, default=None,
+                   help="tune for a device of the arch with this many CUs (e.g. 80 for an MI308X)")
     t.add_argument("--module", action="append", help="extra kernel module or .py file to load")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_tune)
@@ -195,10 +285,100 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--strict-hash", action="store_true", help="a stale kernel hash fails the check")
     c.add_argument("--module", action="append", help="extra kernel module or .py file to load")
     c.set_defaults(func=cmd_check)
-    a = p.parse_args(argv)
-    if getattr(a, "max_candidates", None) == 0:
-        a.max_candidates = None
-    return a.func(a)
+    _add_tune_model(sub)
+    try:
+        a = p.parse_args(argv)
+        if getattr(a, "max_candidates", None) == 0:
+            a.max_candidates = None
+        return a.func(a)
+    except UsageError as e:
+        print(str(e).replace("\n", " "), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("autotune: interrupted", file=sys.stderr)
+        return 130
+
+
+def _add_tune_model(sub: Any) -> None:
+    m = sub.add_parser("tune-model", help="tune every kernel one decode and verify step of a model launches "
+                                          "(found by recording the step on meta tensors), M buckets 1..128")
+    m.add_argument("--config", required=True, help="the model's config.json (Kimi-K2.5 / DeepSeek-V3), or 'kimi-k2.5'")
+    m.add_argument("--experts", default="w4a8", help="routed-expert format: w4a8 | w4a16 (default w4a8)")
+    m.add_argument("--tp", type=int, default=1, help="per-GPU shapes of tensor parallelism N (heads, intermediate / N)")
+    m.add_argument("--moe-parallel", default="tp", help="tp (intermediate / N) or ep (experts / N) with --tp")
+    m.add_argument("--arch", required=True, help="gfx942 | gfx950 | sm90")
+    m.add_argument("--m", default="1,2,4,8,16,32,64,128", help="M buckets (default 1..128)")
+    m.add_argument("--q-lens", default="1,4", help="step q_lens to record (decode 1, verify 4)")
+    m.add_argument("--out", default=None, help="root folder for the files (required unless --in-place)")
+    m.add_argument("--in-place", action="store_true", help="write into the package's autotune/configs")
+    m.add_argument("--cu-count", type=int, default=None, help="tune for a device with this many CUs")
+    m.add_argument("--max-candidates", type=int, default=24, help="candidates per bucket (0 = all)")
+    m.add_argument("--budget-s", type=float, default=None, help="per kernel problem: stop compiling after this long")
+    m.add_argument("--workers", type=int, default=None, help="parallel compiles (default: all cores)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--only", default=None, help="comma-separated kernel names to tune (default: all launched)")
+    m.add_argument("--skip-tuned", action="store_true", help="skip problems that already have a file with every bucket")
+    m.add_argument("--dry-run", action="store_true", help="list the problems, tune nothing")
+    m.add_argument("--quiet", action="store_true")
+    m.set_defaults(func=cmd_tune_model, mode="static", module=None)
+
+
+def cmd_tune_model(a: argparse.Namespace) -> int:
+    """Record the model's steps, collect the distinct (kernel, problem) launches, tune each."""
+    _common_checks(a)
+    out = None if a.dry_run else _out_dir(a)
+    ms = _ms(a.m)
+    qls = _ms(a.q_lens, "--q-lens")
+    if a.experts not in ("w4a8", "w4a16"):
+        _fail(f"autotune: --experts must be w4a8 or w4a16, got {a.experts!r}")
+    if not 1 <= a.tp <= 64:
+        _fail(f"autotune: --tp must be in 1..64, got {a.tp}")
+    try:
+        from bench.step import load_model_config, step_problems
+    except ImportError as e:
+        _fail(f"autotune: tune-model needs the bench package of a checkout (run from the repository root): {e}")
+    try:
+        cfg = load_model_config(a.config, a.tp, a.moe_parallel, layers=2)
+    except (ValueError, OSError) as e:
+        _fail(f"autotune: --config {a.config!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    from .search import tune
+    from .store import file_path, load_file
+
+    probs = step_problems(cfg, a.experts, a.arch, [int(q) for q in qls if q != ANY])
+    only = set(x.strip() for x in a.only.split(",")) if a.only else None
+    print(f"{len(probs)} distinct kernel problems in the step ({a.experts}, tp {a.tp}, {a.arch})")
+    for kern, prob, m_min in probs:
+        if only and kern.name not in only:
+            continue
+        from .buckets import bucket_for
+
+        # buckets below the smallest M this launch can have (q_len 4 attention: M >= 4) are never used
+        lo = bucket_for(max(1, m_min))
+        want = [m for m in ms if m == ANY or bucket_for(m) >= lo] or [lo, ANY]  # e.g. MoE padded rows (M=144)
+        label = f"{kern.name} " + ",".join(f"{k}={v}" for k, v in prob.items())
+        if a.dry_run:
+            print("  " + label)
+            continue
+        path = file_path(kern, a.arch, prob, out)
+        if a.skip_tuned and os.path.exists(path):
+            try:
+                have = {e["bucket"] for e in load_file(path)["entries"]}
+                if all(m in have for m in want):
+                    print(f"  skip {label}: {path} has every bucket")
+                    continue
+            except Exception:  # noqa: BLE001
+                pass
+        print(f"  tune {label}", flush=True)
+        try:
+            p, doc = tune(kern, a.arch, prob, want, budget_s=a.budget_s, seed=a.seed, out=out,
+                          max_candidates=a.max_candidates, workers=a.workers, progress=not a.quiet,
+                          cu_count=a.cu_count)
+        except Exception as e:  # noqa: BLE001 - one problem failing does not stop the others
+            print(f"  FAILED {label}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            continue
+        print(f"  wrote {p}" + ("  (budget hit)" if doc["provenance"].get("budget_hit") else ""))
+        print(paste_lines(doc))
+    return 0
 
 
 if __name__ == "__main__":

@@ -14,7 +14,15 @@ Simple on purpose, every term visible in `predict(...)["terms"]`:
   Programs that differ only in their M tile re-read the same weights (L2 hits), so for the
   weight share of the bytes they count as one stream; only the M-dependent share (activations,
   outputs) gains parallelism from splitting M.
-* predicted = max(compute, memory). Spilling configs are charged 2x and ranked after all clean
+* LDS time: the main loop's LDS traffic per wave and iteration (from the ISA: bytes per lane, a
+  sub-dword access counted as a whole 4-byte bank slot) x wave size, over the CU's LDS bandwidth
+  (`LDS_BYTES_PER_CLK`), summed over every wave the CU runs: the LDS is shared by the CU's SIMDs,
+  so a tile that every wave re-reads (warps stacked along a 16-row M) pays for each copy.
+* MFMA and VALU of different waves overlap only when two or more waves actually share a SIMD:
+  min(occupancy, waves the CU is given per SIMD); one program of 4 warps on a 4-SIMD CU adds them.
+* extra bytes (problem model: e.g. MLA split partials) add to the memory time, not to the floor.
+* predicted = max(compute, LDS, memory). Launch gaps are per launch and belong to a sequence of
+  launches (a step), not to one kernel: `launch_gap_us(target, mode)`. Spilling configs are charged 2x and ranked after all clean
   ones; configs that failed (compile error, LDS overflow) rank last with an infinite time.
 * roofline floor = max(bytes / bandwidth, flops / peak[operand type]); the fraction recorded is
   floor / predicted (1.0 = at the roofline).
@@ -38,6 +46,27 @@ _WGMMA = re.compile(r"m(\d+)n(\d+)k(\d+)")
 _MMA = re.compile(r"m(\d+)n(\d+)k(\d+)")
 
 SPILL_FACTOR = 2.0
+
+# LDS bandwidth per CU (SM), bytes per clock. gfx942 (CDNA3): 128 B/clk (32 banks x 4 B, AMD CDNA3
+# ISA guide); gfx950 (CDNA4): 256 B/clk for reads (the CDNA4 white paper doubles LDS read bandwidth
+# with the 160 KB LDS; writes are charged at the same rate here, a lower bound); sm90: 128 B/clk
+# (32 banks x 4 B per SM). Model data, not tuning values.
+LDS_BYTES_PER_CLK = {"gfx942": 128.0, "gfx950": 256.0, "sm90": 128.0}
+# Gap between consecutive kernels of a step, microseconds: graph replay (hipGraph / CUDA graph) and
+# eager launch from Python (PyTorch dispatch + runtime launch, host bound). Stated assumptions, not
+# measurements on this machine: AMD graph replay ~2 us per kernel node, CUDA graphs ~1 us; eager ~8 us.
+LAUNCH_GAP_US = {"graph": {"gfx942": 2.0, "gfx950": 2.0, "sm90": 1.0}, "eager": {"gfx942": 8.0, "gfx950": 8.0, "sm90": 6.0}}
+
+
+def launch_gap_us(target: Any, mode: str = "graph") -> float:
+    """The stated per-launch gap (see LAUNCH_GAP_US) for `mode` "graph" or "eager"."""
+    name = getattr(target, "name", target)
+    table = LAUNCH_GAP_US[mode]
+    return table.get(name, max(table.values()))
+
+
+def lds_bytes_per_clk(target: Any) -> float:
+    return LDS_BYTES_PER_CLK.get(getattr(target, "name", target), 128.0)
 
 
 def _operand_type(mnemonic: str) -> str:
@@ -84,10 +113,12 @@ def roofline_floor_s(target: Any, nbytes: float, flops: float, peak_dtype: str) 
 
 
 def predict(report: dict[str, Any], target: Any, programs: int, iters: int, nbytes: float, flops: float,
-            peak_dtype: str, m_tiles: int = 1, m_bytes_fraction: float = 1.0) -> dict[str, Any]:
+            peak_dtype: str, m_tiles: int = 1, m_bytes_fraction: float = 1.0, extra_bytes: float = 0.0
+            ) -> dict[str, Any]:
     """Predicted time (µs) of one launch, the roofline floor and the terms behind them.
     `m_tiles`: programs along M; `m_bytes_fraction`: the share of bytes that grows with M (rows of
-    activations and outputs); the rest (weights) is re-read by every M tile."""
+    activations and outputs); the rest (weights) is re-read by every M tile. `extra_bytes`: traffic
+    the implementation adds beyond the floor's bytes (split partials)."""
     floor_s, bound = roofline_floor_s(target, nbytes, flops, peak_dtype)
     out: dict[str, Any] = {"programs": programs, "loop_iters": iters, "floor_us": floor_s * 1e6, "bound": bound}
     if not report.get("ok", False):
@@ -105,19 +136,24 @@ def predict(report: dict[str, Any], target: Any, programs: int, iters: int, nbyt
     valu_cyc = (valu_loop * iters + max(0, report.get("valu_instructions", 0) - valu_loop)) * target.valu_cycles
     nw = max(1, int(report.get("num_warps", 4)))
     occ = max(1, int(report.get("occupancy", 1)))
-    wave_cyc = max(mm_cyc, valu_cyc) if occ >= 2 else mm_cyc + valu_cyc
     resident = max(1, (occ * target.simd_per_cu) // nw)
     per_cu = math.ceil(programs / target.cu_count)
+    # waves that really share a SIMD: what the occupancy allows and what the grid gives a CU
+    sharing = min(occ, math.ceil(min(per_cu, resident) * nw / target.simd_per_cu))
+    wave_cyc = max(mm_cyc, valu_cyc) if sharing >= 2 else mm_cyc + valu_cyc
     rounds = math.ceil(programs / (target.cu_count * resident))
     simd_share = per_cu * nw * wave_cyc / target.simd_per_cu
-    compute_cyc = max(simd_share, rounds * wave_cyc)
+    lds_lane = float(report.get("lds_slot_bytes_in_main_loop", 0) or 0)
+    lds_wave_cyc = lds_lane * iters * getattr(target, "warp_size", 64) / lds_bytes_per_clk(target)
+    lds_cyc = per_cu * nw * lds_wave_cyc  # the CU's LDS serves every wave of every program it runs
+    compute_cyc = max(simd_share, rounds * wave_cyc, lds_cyc)
     compute_s = compute_cyc / (target.clock_ghz * 1e9)
     # programs that differ only along M stream the same weights: towards HBM they add parallelism
     # only for the M-dependent share of the bytes
     streams = programs * m_bytes_fraction + (programs / max(1, m_tiles)) * (1.0 - m_bytes_fraction)
     in_flight = min(streams, target.cu_count * resident) * nw
     saturation = min(1.0, in_flight / (target.cu_count * target.simd_per_cu))
-    memory_s = nbytes / (target.hbm_gbps * 1e9 * saturation)
+    memory_s = (nbytes + extra_bytes) / (target.hbm_gbps * 1e9 * saturation)
     t = max(compute_s, memory_s)
     spills = int(report.get("spills", 0) or 0) + (1 if report.get("scratch_bytes", 0) else 0)
     penalty = ""
@@ -127,6 +163,8 @@ def predict(report: dict[str, Any], target: Any, programs: int, iters: int, nbyt
     out.update(predicted_us=t * 1e6, roofline_fraction=min(1.0, floor_s / t) if t > 0 else 0.0, penalty=penalty,
                terms={"matrix_cycles_per_wave": round(mm_cyc, 1), "valu_cycles_per_wave": round(valu_cyc, 1),
                       "cycles_per_mfma": round(avg, 2), "resident_programs_per_cu": resident, "rounds": rounds,
+                      "waves_sharing_simd": sharing, "lds_cycles_per_cu": round(lds_cyc, 1),
+                      "lds_us": round(lds_cyc / (target.clock_ghz * 1e9) * 1e6, 4), "extra_bytes": extra_bytes,
                       "compute_us": round(compute_s * 1e6, 4), "memory_us": round(memory_s * 1e6, 4),
                       "hbm_saturation": round(saturation, 3), "m_tiles": m_tiles,
                       "m_bytes_fraction": round(m_bytes_fraction, 3)})

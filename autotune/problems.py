@@ -3,12 +3,17 @@ problem key (and in what order), which dim is M, the bytes it must move and the 
 (for the roofline and the cost model's memory time), the operand type that sets its matrix peak,
 and the trip count of its main loop.
 
-Models are matched by kernel-name pattern (fnmatch). A kernel without a model gets a generic one:
-all non-M dims in signature order, bytes from its operand dtypes and shapes, no flops.
+The models themselves live next to the kernels: a kernel package ships a `problems` module that
+calls `register(...)` (this repository: ops/problems.py). `model_for(kernel)` imports
+`<package>.problems` of the kernel's package on first use, so autotune imports nothing of ops.
+Models are matched by kernel-name pattern (fnmatch, first registered wins). A kernel without a
+model gets a generic one: all non-M dims in signature order, bytes from its operand dtypes and
+shapes, no flops.
 """
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -41,221 +46,69 @@ class ProblemModel:
     shared_bytes_fn: Callable[[Problem, int], float] | None = None
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # M of a recorded launch from its bound dims (default: the m_dim), e.g. batch x q_len for decode
+    # attention, MO for MoE stage 2
+    m_of: Callable[[Problem], int] | None = None
+    # traffic beyond the floor that the implementation adds (problem, m, launch dims) -> bytes, e.g.
+    # MLA split partials written by the split kernel: charged in the predicted time, not the floor
+    extra_bytes_fn: Callable[[Problem, int, Problem], float] | None = None
 
 
-def _gemm(wb: float, ab: float, peak: str, group: int = 0) -> tuple[Callable, Callable]:
-    def nbytes(p: Problem, m: int) -> float:
-        n, k = p["N"], p["K"]
-        b = n * k * wb + m * k * ab + m * n * 2 + 4 * n + 4 * m  # weights, acts, bf16 out, scales
-        if group:
-            b += n * (k // group) * 2  # group scales (bf16)
-        return b
-
-    def flops(p: Problem, m: int) -> float:
-        return 2.0 * m * p["N"] * p["K"]
-
-    return nbytes, flops
-
-
-def _quant_bytes(p: Problem, m: int) -> float:
-    k = p.get("K", p.get("N", 0))
-    return m * k * (2 + 1) + 4 * m  # bf16 in, 8-bit out, one f32 scale per row
-
-
-def _quant_flops(p: Problem, m: int) -> float:
-    k = p.get("K", p.get("N", 0))
-    return 4.0 * m * k
-
-
-# ---- fused MoE: keyed on the expert shapes; M only sets how many experts and blocks are touched
-
-def experts_touched(p: Problem, m: int) -> float:
-    """Expected distinct experts hit by m tokens routing to TOPK distinct experts each, uniformly
-    (exact at m=1: TOPK); only their weights are read."""
-    e, k = p["E"], p["TOPK"]
-    return e * (1.0 - (1.0 - k / e) ** m)
-
-
-def _moe_blocks(p: Problem, m: int, c: dict[str, Any]) -> Problem:
-    """The aligned-block dims `fused_experts` launches with: worst-case block count
-    cdiv(T, BLOCK_M) + min(E, T) (unused blocks exit at once), S = NB * BLOCK_M rows."""
-    bm = int(c.get("BLOCK_M", 16))
-    t = m * p["TOPK"]
-    nb = -(-t // bm) + min(p["E"], t)
-    return {"T": t, "NB": nb, "S": nb * bm}
-
-
-def _moe_stage1_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
-    return {**_moe_blocks(p, m, c), "N2": 2 * p["I"], "KG": p["K"] // 32}
-
-
-def _moe_stage2_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
-    d = _moe_blocks(p, m, c)
-    return {**d, "MO": m, "P": d["T"], "IG": p["I"] // 32}
-
-
-def _moe(stage: int, wbytes: float, abytes: float, group_scales: bool) -> tuple[Callable, Callable]:
-    """(bytes, flops) of one MoE stage: touched experts' weights and scales, activations in, the
-    bf16 intermediate (stage 1) or the f32 [M, H] output (stage 2)."""
-    def dims(p: Problem) -> tuple[int, int]:
-        return (2 * p["I"], p["K"]) if stage == 1 else (p["H"], p["I"])
-
-    def nbytes(p: Problem, m: int) -> float:
-        n, k = dims(p)
-        t = m * p["TOPK"]
-        scales = n * (k // 32) * 2 if group_scales else n * 4
-        w = experts_touched(p, m) * (n * k * wbytes + scales)
-        if stage == 1:
-            return w + m * k * abytes + 4 * m + t * p["I"] * 2
-        return w + t * k * abytes + 4 * t + 4 * t + m * n * 4  # + per-row scales, routing weights
-
-    def flops(p: Problem, m: int) -> float:
-        n, k = dims(p)
-        return 2.0 * m * p["TOPK"] * n * k
-
-    return nbytes, flops
-
-
-def _moe_gate_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
-    from ops.moe import route_split
-
-    split = route_split(p["H"])
-    return {"SPLIT": split, "HS": -(-p["H"] // split)}  # HS: hidden elements per split (its loop)
-
-
-MODELS: list[ProblemModel] = [
-    ProblemModel("gemm_bf16*", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],
-                 flops_fn=_gemm(2, 2, "bf16")[1]),
-    ProblemModel("gemm_fp8*", ("N", "K"), peak_dtype="fp8", bytes_fn=_gemm(1, 1, "fp8")[0],
-                 flops_fn=_gemm(1, 1, "fp8")[1]),
-    ProblemModel("gemm_w8a8*", ("N", "K"), peak_dtype="i8", bytes_fn=_gemm(1, 1, "i8")[0],
-                 flops_fn=_gemm(1, 1, "i8")[1]),
-    ProblemModel("gemm_w4a8*", ("N", "K"), peak_dtype="i8", bytes_fn=_gemm(0.5, 1, "i8")[0],
-                 flops_fn=_gemm(0.5, 1, "i8")[1]),
-    ProblemModel("gemm_w4a16*", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(0.5, 2, "bf16", 32)[0],
-                 flops_fn=_gemm(0.5, 2, "bf16", 32)[1], derived=lambda p, m, c: {"G": p["K"] // 32}),
-    ProblemModel("moe_stage1_w4a8", ("E", "K", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe(1, 0.5, 1, False)[0],
-                 flops_fn=_moe(1, 0.5, 1, False)[1], derived=_moe_stage1_derived),
-    ProblemModel("moe_stage1_w4a16", ("E", "K", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(1, 0.5, 2, True)[0],
-                 flops_fn=_moe(1, 0.5, 2, True)[1], derived=_moe_stage1_derived),
-    ProblemModel("moe_stage1_bf16", ("E", "K", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(1, 2, 2, False)[0],
-                 flops_fn=_moe(1, 2, 2, False)[1], derived=_moe_stage1_derived),
-    ProblemModel("moe_stage2_w4a8_pq", ("E", "H", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe(2, 0.5, 1, False)[0],
-                 flops_fn=_moe(2, 0.5, 1, False)[1], derived=_moe_stage2_derived, loop_dim="I"),
-    ProblemModel("moe_stage2_w4a8", ("E", "H", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe(2, 0.5, 2, False)[0],
-                 flops_fn=_moe(2, 0.5, 2, False)[1], derived=_moe_stage2_derived, loop_dim="I", loops=2),
-    ProblemModel("moe_stage2_w4a16", ("E", "H", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(2, 0.5, 2, True)[0],
-                 flops_fn=_moe(2, 0.5, 2, True)[1], derived=_moe_stage2_derived, loop_dim="I"),
-    ProblemModel("moe_stage2_bf16", ("E", "H", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(2, 2, 2, False)[0],
-                 flops_fn=_moe(2, 2, 2, False)[1], derived=_moe_stage2_derived, loop_dim="I"),
-    ProblemModel("moe_gate_gemm", ("E", "H"), peak_dtype="bf16", derived=_moe_gate_derived,
-                 bytes_fn=lambda p, m: (p["E"] * p["H"] + m * p["H"]) * 2 + _moe_gate_derived(p, m, {})["SPLIT"] * m * p["E"] * 4,
-                 flops_fn=lambda p, m: 2.0 * m * p["E"] * p["H"], loop_dim="HS", loop_block="BLOCK_H"),
-    # two passes over the row: absmax, then quantize
-    ProblemModel("quant_per_token*", ("K",), peak_dtype="f32", bytes_fn=_quant_bytes, flops_fn=_quant_flops,
-                 loops=2),
-]
-
-
-# ---- attention decode over a paged KV cache: keyed on the head shapes and q_len; M = batch x q_len
-
-# The context length sets the bytes and the split count but is no part of the lookup key (a tuned
-# tile has to serve every length). Tuning and `check` use this nominal length: the middle of the
-# bench's 1k/8k/32k, long enough that the split count, not the length, sets the grid at small
-# batch, and the context of the peer figures (REFERENCE section 7). A problem may carry `CTX` to
-# model another length (the bench does); lookups drop it with the other non-key dims.
+# The context length sets the bytes and the split count of decode attention but is no part of the
+# lookup key (a tuned tile has to serve every length). Tuning and `check` use this nominal length:
+# the middle of the bench's 1k/8k/32k, long enough that the split count, not the length, sets the
+# grid at small batch, and the context of the peer figures (REFERENCE section 7). A problem may carry
+# `CTX` to model another length (the benches do); lookups drop it with the other non-key dims.
 NOMINAL_CTX = 8192
 
-
-def _ctx(p: Problem) -> int:
-    return int(p.get("CTX", NOMINAL_CTX))
-
-
-def _batch(p: Problem, m: int) -> int:
-    """Sequences in a launch of M = batch x q_len rows."""
-    return max(1, math.ceil(m / p["QL"]))
+_MODELS: list[ProblemModel] = []
+_LOADED: set[str] = set()
 
 
-def _mla_kv_bytes(p: Problem, m: int) -> float:
-    """The latent cache read once: every cached token's DL + DR bf16 values, per sequence."""
-    return _batch(p, m) * _ctx(p) * (p["DL"] + p["DR"]) * 2 if m else 0.0
+def register(*models: ProblemModel) -> None:
+    """Add problem models (a kernel package's `problems` module calls this at import)."""
+    for pm in models:
+        if all(pm.pattern != o.pattern for o in _MODELS):
+            _MODELS.append(pm)
 
 
-def _mla_bytes(p: Problem, m: int) -> float:
-    """KV read + q read + bf16 output + block table. The split partials (f32, S per row, written
-    here and read back by the combine) are the split's own overhead, not part of the floor."""
-    b = _batch(p, m) if m else 0
-    rows = b * p["QL"] * p["H"]
-    return _mla_kv_bytes(p, m) + rows * (p["DL"] + p["DR"]) * 2 + rows * p["DL"] * 2 + b * math.ceil(_ctx(p) / p["PS"]) * 4
+def _load_models(kernel: Any) -> None:
+    """Import the `problems` module of the package that defines `kernel` (once per package)."""
+    if isinstance(kernel, str):
+        from kdsl.kernel import REGISTRY
+
+        k = REGISTRY.get(kernel)
+        if k is None:
+            from kdsl.registry import discover
+
+            k = discover().get(kernel)
+        kernel = k
+    fn = getattr(kernel, "fn", None)
+    mod = getattr(fn, "__module__", None) or ""
+    pkg = mod.rpartition(".")[0] or mod
+    if not pkg or pkg in _LOADED:
+        return
+    _LOADED.add(pkg)
+    try:
+        importlib.import_module(pkg + ".problems")
+    except ModuleNotFoundError as e:
+        if e.name != pkg + ".problems":
+            raise
 
 
-def _mla_flops(p: Problem, m: int) -> float:
-    """QK^T over DL + DR and PV over DL for every (row, head, cached token)."""
-    return 2.0 * _batch(p, m) * p["QL"] * p["H"] * _ctx(p) * (2 * p["DL"] + p["DR"])
+def m_of(kernel: Any, dims: Problem) -> int:
+    """M of a launch with these bound dims (what the op passes to its config lookup)."""
+    pm = model_for(kernel)
+    if pm.m_of is not None:
+        return int(pm.m_of(dims))
+    return int(dims.get(pm.m_dim, 1))
 
 
-def _paged_dims(p: Problem, m: int) -> Problem:
-    b = _batch(p, m)
-    mp = math.ceil(_ctx(p) / p["PS"])
-    return {"B": b, "MP": mp, "NP": b * mp}
+def extra_bytes(kernel: Any, problem: Problem, m: int, dims: Problem) -> float:
+    """Bytes beyond the floor that one launch moves (see ProblemModel.extra_bytes_fn)."""
+    pm = model_for(kernel)
+    return float(pm.extra_bytes_fn(problem, m, dims)) if pm.extra_bytes_fn is not None else 0.0
 
-
-def _mla_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
-    return {**_paged_dims(p, m), "QH": p["QL"] * p["H"], "DQ": p["DL"] + p["DR"]}
-
-
-def _split_chunk(ctx: int, s: int, bn: int) -> int:
-    """Tokens one split walks: the kernels cut each length into S chunks rounded up to BLOCK_N."""
-    return math.ceil(math.ceil(ctx / s) / bn) * bn
-
-
-def _mla_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
-    """The split count `ops.mla.mla_decode` launches with (same call), and the tokens per split."""
-    from ops.mla import num_splits
-
-    bm, bn = int(c.get("BLOCK_M", 16)), int(c.get("BLOCK_N", 32))
-    s = num_splits([_ctx(d)] * d["B"], d["QL"], d["H"], bm, cu_count=target.cu_count, block_n=bn)
-    return {"S": s, "CHUNK": _split_chunk(_ctx(d), s, bn)}
-
-
-def _mha_kv_bytes(p: Problem, m: int) -> float:
-    """K and V read once: KVH heads x D bf16 values each, per cached token and sequence."""
-    return _batch(p, m) * _ctx(p) * p["KVH"] * p["D"] * 2 * 2 if m else 0.0
-
-
-def _mha_bytes(p: Problem, m: int) -> float:
-    b = _batch(p, m) if m else 0
-    rows = b * p["QL"] * p["HQ"]
-    return _mha_kv_bytes(p, m) + rows * p["D"] * 2 * 2 + b * math.ceil(_ctx(p) / p["PS"]) * 4
-
-
-def _mha_flops(p: Problem, m: int) -> float:
-    return 2.0 * _batch(p, m) * p["QL"] * p["HQ"] * _ctx(p) * 2 * p["D"]
-
-
-def _mha_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
-    return {**_paged_dims(p, m), "QG": p["QL"] * (p["HQ"] // p["KVH"])}
-
-
-def _mha_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
-    """The split count `ops.mha.paged_mha_decode` launches with (the same call: per sequence
-    KVH x BLOCK_M-padded rows of its GQA group)."""
-    from ops.mla import num_splits
-
-    bm, bn = int(c.get("BLOCK_M", 16)), int(c.get("BLOCK_N", 64))
-    rows = d["KVH"] * math.ceil(d["QG"] / bm) * bm
-    s = num_splits([_ctx(d)] * d["B"], 1, rows, bm, cu_count=target.cu_count, block_n=bn)
-    return {"S": s, "BS": d["B"] * s, "CHUNK": _split_chunk(_ctx(d), s, bn)}
-
-
-MODELS += [
-    ProblemModel("mla_decode_split*", ("QL", "H", "DL", "DR", "PS"), peak_dtype="bf16", bytes_fn=_mla_bytes,
-                 flops_fn=_mla_flops, derived=_mla_derived, launch_dims=_mla_launch, loop_dim="CHUNK",
-                 loop_block="BLOCK_N", reuse_dim="QH", shared_bytes_fn=_mla_kv_bytes, m_block=None),
-    ProblemModel("mha_decode", ("QL", "HQ", "KVH", "D", "PS"), peak_dtype="bf16", bytes_fn=_mha_bytes,
-                 flops_fn=_mha_flops, derived=_mha_derived, launch_dims=_mha_launch, loop_dim="CHUNK",
-                 loop_block="BLOCK_N", reuse_dim="QG", shared_bytes_fn=_mha_kv_bytes, m_block=None),
-]
 
 
 def _generic_bytes(kernel: Any) -> Callable[[Problem, int], float]:
@@ -281,7 +134,8 @@ def _generic_bytes(kernel: Any) -> Callable[[Problem, int], float]:
 def model_for(kernel: Any) -> ProblemModel:
     """The problem model of a kdsl kernel (or kernel name)."""
     name = kernel if isinstance(kernel, str) else kernel.name
-    for pm in MODELS:
+    _load_models(kernel)
+    for pm in _MODELS:
         if fnmatch.fnmatchcase(name, pm.pattern):
             if pm.bytes_fn is None and not isinstance(kernel, str):
                 import dataclasses

@@ -20,9 +20,9 @@ from kdsl.targets import Target, get_target
 
 from . import costmodel
 from .buckets import ANY, bucket_for, bucket_m, bucket_order, parse_bucket
-from .problems import full_dims, loop_iters, model_for, problem_key, required_dims, shared_bytes, strip_m
+from .problems import extra_bytes, full_dims, loop_iters, model_for, problem_key, required_dims, shared_bytes, strip_m
 from .space import build
-from .store import SCHEMA_VERSION, file_path, kernel_source_hash, load_file, save_file
+from .store import SCHEMA_VERSION, file_path, helpers_hash, kernel_helpers, kernel_source_hash, load_file, save_file
 
 DEFAULT_MAX_CANDIDATES = 32
 GRACE_S = 15.0  # how long compiles already running may finish after the budget
@@ -88,8 +88,9 @@ def score(kernel: Any, target: Target, problem: dict[str, Any], m: int, config: 
     gs = sp.grid_size(dims)
     reuse = pm.reuse_dim or pm.m_dim
     m_tiles = math.prod(g for g, e in zip(gs, sp.grid) if e.dim == reuse) or 1
+    extra = extra_bytes(kernel, problem, m, dims)
     fig = costmodel.predict(report, target, math.prod(gs), loop_iters(kernel, dims, sp.config), nbytes, flops,
-                            pm.peak_dtype, m_tiles, m_frac)
+                            pm.peak_dtype, m_tiles, m_frac, extra)
     fig["resources"] = {k: report.get(k) for k in ("vgpr", "agpr", "spills", "lds_bytes", "occupancy")}
     return fig
 
@@ -116,6 +117,27 @@ def predict_config(kernel: Any, arch: str | Target, problem: dict[str, Any], m: 
     return fig
 
 
+def _prior_configs(kernel: Any, target: Target, static: dict[str, Any], path: str) -> list[dict[str, Any]]:
+    """The tunable + option part of every entry of an existing file at `path` that still specializes."""
+    if not os.path.exists(path):
+        return []
+    try:
+        doc = load_file(path)
+    except Exception:  # noqa: BLE001 - a bad old file has nothing to offer
+        return []
+    names = set(kernel.tunables(target, static)) | {o.name for o in target.options}
+    out: list[dict[str, Any]] = []
+    for e in doc["entries"]:
+        c = {k: v for k, v in e["config"].items() if k in names}
+        try:
+            kernel.specialize(c, target, static)
+        except Exception:  # noqa: BLE001
+            continue
+        if c not in out:
+            out.append(c)
+    return out
+
+
 def parse_ms(items: list[Any]) -> list[int | str]:
     """M values or buckets (ints, "any") -> sorted distinct buckets."""
     out = set()
@@ -130,11 +152,24 @@ def parse_ms(items: list[Any]) -> list[int | str]:
 def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any], mode: str = "static",
          budget_s: float | None = None, seed: int = 0, out: str | None = None,
          max_candidates: int | None = DEFAULT_MAX_CANDIDATES, workers: int | None = None,
-         progress: bool = True, write: bool = True) -> tuple[str, dict[str, Any]]:
-    """Tune `kernel` at `problem` for the buckets of `ms`; returns (path, document)."""
+         progress: bool = True, write: bool = True, cu_count: int | None = None) -> tuple[str, dict[str, Any]]:
+    """Tune `kernel` at `problem` for the buckets of `ms`; returns (path, document). `cu_count`: tune
+    for a device of the arch with that many CUs (the file goes to <arch>/cu<N>/ unless it is the
+    arch's reference count)."""
     if mode not in ("static", "measured"):
         raise ValueError(f"mode must be 'static' or 'measured', got {mode!r}")
     target = get_target(arch)
+    ref_cu = target.cu_count
+    if cu_count is not None:
+        if cu_count < 1:
+            raise ValueError(f"cu_count must be >= 1, got {cu_count}")
+        import dataclasses
+
+        target = dataclasses.replace(target, cu_count=int(cu_count))
+    bad = {k: v for k, v in problem.items() if isinstance(v, int) and not isinstance(v, bool) and v < 1}
+    if bad:
+        k0 = next(iter(bad))
+        raise ValueError(f"problem dim {k0}={bad[k0]} must be a positive integer")
     if target.backend == "interpret":
         raise ValueError("cannot tune for the interpret target: pass --arch gfx942|gfx950|sm90 (or current on a GPU)")
     if mode == "measured":
@@ -156,6 +191,15 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     spaces = {}
     for b in buckets:
         spaces[b] = build(kernel, target, static, bucket_m(b), seed, max_candidates, pm.m_block)
+    # warm start: the configs of the file being replaced compete too (a smaller sample never loses
+    # a config an earlier, larger search found; the cost model re-ranks them)
+    prior_path = os.path.join(out, target.name, os.path.basename(file_path(kernel, target.name, prob))) if out else \
+        file_path(kernel, target.name, prob)
+    priors = _prior_configs(kernel, target, static, prior_path)
+    for b in buckets:
+        for c in priors:
+            if spaces[b].admits(c) and c not in spaces[b].candidates:
+                spaces[b].candidates.insert(1, c)
     # unique compiles: (config, signature class of M)
     # round robin over the buckets, so a budget stop still leaves every bucket candidates
     jobs: dict[tuple, tuple[dict, dict]] = {}
@@ -263,17 +307,19 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
         "entries": entries,
         "provenance": {
             "kernel_source_hash": kernel_source_hash(kernel),
+            "helpers_hash": helpers_hash(kernel), "helpers": kernel_helpers(kernel),
             "search_space_hash": {str(b): spaces[b].hash for b in buckets},
             "seed": seed, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "triton_version": target_identity(target, False)["triton_version"], "mode": mode,
             "max_candidates": max_candidates, "budget_s": budget_s, "budget_hit": budget_hit,
             "elapsed_s": round(time.monotonic() - t0, 1),
-            "cost_model": "autotune.costmodel v2" if mode == "static" else "measured (CUDA/HIP events)",
+            "cost_model": "autotune.costmodel v3" if mode == "static" else "measured (CUDA/HIP events)",
             "problem_key": problem_key(kernel, prob),
         },
     }
-    path = os.path.join(out, target.name, os.path.basename(file_path(kernel, target.name, prob))) if out else \
-        file_path(kernel, target.name, prob)
+    sub = (target.name,) if target.cu_count == ref_cu else (target.name, f"cu{target.cu_count}")
+    path = os.path.join(out or os.path.dirname(os.path.dirname(file_path(kernel, target.name, prob))), *sub,
+                        os.path.basename(file_path(kernel, target.name, prob)))
     if write:
         if not entries:
             raise RuntimeError(f"no candidate of {kernel.name} compiled cleanly for {target.name}; nothing written")

@@ -9,7 +9,17 @@ File: autotune/configs/<arch>/<kernel>__<problem-key>.json, e.g. gfx942/gemm_w4a
 
 Lookup (on every op launch, so loaded files are cached in memory): the smallest bucket >= M, then
 "any", then the kernel's defaults ({}), with a one-time warning naming the files searched; strict
-mode raises instead. Writes are atomic (temp file + os.replace).
+mode raises instead. Writes are atomic (temp file + os.replace); a temp file left by a killed
+writer (its pid no longer alive) is removed by the next write into that folder.
+
+Where files are searched, first hit wins:
+  1. $KDSL_TUNED_CONFIG_DIR (an override folder, same layout), then the package's configs/ (or `root`);
+  2. in each: <arch>/cu<N>/<file> for a device with N compute units, then <arch>/<file>.
+The <arch>/ folder holds configs for the arch's reference device (the data-sheet CU count of
+kdsl.targets: 304 for gfx942, 256 for gfx950, 132 for sm90); a cu<N>/ subfolder holds configs tuned
+for another CU count of the same arch (e.g. an 80-CU MI308X: gfx942/cu80/). A device whose CU count
+has no subfolder uses the arch folder. A file tuned under another Triton version than the running one
+is used with a one-time warning (re-tune it).
 """
 from __future__ import annotations
 
@@ -52,6 +62,48 @@ def kernel_source_hash(kernel: Any) -> str:
     return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
+def _code_names(code: Any) -> set[str]:
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if hasattr(c, "co_names"):
+            names |= _code_names(c)
+    return names
+
+
+def kernel_helpers(kernel: Any) -> dict[str, str]:
+    """Every module-level function the kernel's DSL function reaches (names it uses, recursively)
+    in its own package (e.g. ops.*): qualified name -> sha256 of its source (16 hex digits)."""
+    fn = kernel.fn
+    top = (fn.__module__ or "").split(".")[0]
+    out: dict[str, str] = {}
+    todo = [fn]
+    seen = {id(fn)}
+    while todo:
+        f = todo.pop()
+        g = getattr(f, "__globals__", {})
+        for n in sorted(_code_names(f.__code__)):
+            obj = g.get(n)
+            obj = getattr(obj, "fn", obj)  # a kdsl Kernel used as a helper: its function
+            if not inspect.isfunction(obj) or id(obj) in seen:
+                continue
+            if (obj.__module__ or "").split(".")[0] != top:
+                continue
+            seen.add(id(obj))
+            try:
+                src = inspect.getsource(obj)
+            except (OSError, TypeError):
+                continue
+            out[f"{obj.__module__}.{obj.__qualname__}"] = hashlib.sha256(src.encode()).hexdigest()[:16]
+            todo.append(obj)
+    return dict(sorted(out.items()))
+
+
+def helpers_hash(kernel: Any) -> str:
+    """One hash over `kernel_helpers`: a changed helper marks the kernel's tuned files stale."""
+    blob = json.dumps(kernel_helpers(kernel), sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 def file_name(kernel: Any, problem: dict[str, Any]) -> str:
     return f"{kernel_name(kernel)}__{problem_key(kernel, strip_m(kernel, problem))}.json"
 
@@ -81,6 +133,11 @@ def validate(doc: Any, path: str, known_kernels: dict[str, Any] | None = None) -
     if doc["arch"] not in KNOWN_ARCHS:
         raise ConfigFileError(path, "arch", f"unknown arch {doc['arch']!r}; known: {', '.join(KNOWN_ARCHS)}")
     parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    if parent.startswith("cu") and parent[2:].isdigit():  # <arch>/cu<N>/: configs for N compute units
+        cu = int(parent[2:])
+        if doc["target"].get("cu_count") not in (None, cu):
+            raise ConfigFileError(path, "target.cu_count", f"says {doc['target'].get('cu_count')} but the file lies under {parent}/")
+        parent = os.path.basename(os.path.dirname(os.path.dirname(os.path.abspath(path))))
     if parent in KNOWN_ARCHS and parent != doc["arch"]:
         raise ConfigFileError(path, "arch", f"says {doc['arch']!r} but the file lies under {parent}/")
     kern = None
@@ -141,6 +198,44 @@ def load_file(path: str, known_kernels: dict[str, Any] | None = None) -> dict[st
     return validate(doc, path, known_kernels)
 
 
+def clean_stale_temps(folder: str) -> list[str]:
+    """Remove `.tmp-<pid>-*.json` files whose writer is no longer alive (killed mid-write) and
+    unnamed-pid temps older than an hour; returns the removed paths."""
+    import time
+
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for n in names:
+        if not (n.startswith(".tmp-") and n.endswith(".json")):
+            continue
+        p = os.path.join(folder, n)
+        parts = n[len(".tmp-"):].split("-", 1)
+        alive = False
+        if parts[0].isdigit():
+            try:
+                os.kill(int(parts[0]), 0)
+                alive = True
+            except ProcessLookupError:
+                alive = False
+            except PermissionError:
+                alive = True
+        else:
+            try:
+                alive = time.time() - os.path.getmtime(p) < 3600
+            except OSError:
+                continue
+        if not alive:
+            try:
+                os.unlink(p)
+                removed.append(p)
+            except OSError:
+                pass
+    return removed
+
+
 def save_file(doc: dict[str, Any], path: str) -> str:
     """Validate and write atomically: a temp file in the same folder, then os.replace. An
     exception (or Ctrl-C) before the replace leaves any existing file untouched and no partial one."""
@@ -149,7 +244,8 @@ def save_file(doc: dict[str, Any], path: str) -> str:
     os.makedirs(d, exist_ok=True)
     doc = dict(doc)
     doc["entries"] = sorted(doc["entries"], key=lambda e: bucket_order(e["bucket"]))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=d)
+    clean_stale_temps(d)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{os.getpid()}-", suffix=".json", dir=d)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f, indent=1, sort_keys=False)
@@ -174,6 +270,89 @@ _LOCK = threading.Lock()
 _FILES: dict[str, dict[str, Any] | None] = {}  # path -> parsed doc (None: absent)
 _RESULTS: dict[tuple, dict[str, Any]] = {}  # (root, kernel, arch, problem, bucket, strict) -> config
 _WARNED: set[tuple] = set()
+_LOG: list[list[dict[str, Any]]] = []  # active lookup logs (lookup_log())
+OVERRIDE_ENV = "KDSL_TUNED_CONFIG_DIR"
+
+
+class lookup_log:
+    """Context manager collecting every lookup: {"kernel", "arch", "problem", "m", "path", "hit",
+    "launch_index"} (launch_index: the number of launches the active kdsl recorder holds, i.e. the
+    index of the launch this lookup configures)."""
+
+    def __enter__(self) -> list[dict[str, Any]]:
+        self.entries: list[dict[str, Any]] = []
+        _LOG.append(self.entries)
+        return self.entries
+
+    def __exit__(self, *exc: Any) -> None:
+        _LOG.remove(self.entries)
+
+
+def _log(name: str, arch: str, prob: dict[str, Any], m: int, path: str | None, hit: bool) -> None:
+    if not _LOG:
+        return
+    try:
+        from kdsl.record import active
+
+        rec = active()
+        idx = len(rec.launches) if rec is not None else None
+    except Exception:  # noqa: BLE001
+        idx = None
+    for log in _LOG:
+        log.append({"kernel": name, "arch": arch, "problem": dict(prob), "m": m, "path": path, "hit": hit,
+                    "launch_index": idx})
+
+
+def search_dirs(root: str | None = None) -> list[str]:
+    """Roots searched, in order: $KDSL_TUNED_CONFIG_DIR (when set), then `root` or the package's."""
+    out = []
+    env = os.environ.get(OVERRIDE_ENV)
+    if env:
+        out.append(env)
+    out.append(root or CONFIG_DIR)
+    return out
+
+
+def _cu_count(arch: str) -> int | None:
+    """CU count of the device lookups serve: the current (or recording) target's, when its arch is `arch`."""
+    try:
+        from kdsl.targets import current_target, get_target
+
+        t = current_target()
+        if t.name == arch:
+            ref = get_target(arch).cu_count
+            return t.cu_count if t.cu_count != ref else None
+    except Exception:  # noqa: BLE001
+        return None
+    return None
+
+
+def candidate_paths(kernel: Any, arch: str, problem: dict[str, Any], root: str | None = None,
+                    cu_count: int | None = None) -> list[str]:
+    """Files a lookup tries, in order (see the module docstring)."""
+    name = file_name(kernel, problem)
+    out = []
+    for d in search_dirs(root):
+        if cu_count:
+            out.append(os.path.join(d, arch, f"cu{cu_count}", name))
+        out.append(os.path.join(d, arch, name))
+    return out
+
+
+def _check_triton(doc: dict[str, Any], path: str) -> None:
+    want = doc.get("target", {}).get("triton_version") or doc.get("provenance", {}).get("triton_version")
+    try:
+        import triton
+
+        have = triton.__version__
+    except Exception:  # noqa: BLE001
+        return
+    key = ("triton", path)
+    same = bool(want) and (have == want or have.startswith(want + ".") or want.startswith(have + "."))
+    if want and not same and key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"{path} was tuned with Triton {want}, running {have}: its configs may no longer be the "
+                      f"best (re-tune with `python -m autotune tune-model` or `tune`)", stacklevel=3)
 
 
 def clear_cache() -> None:
@@ -229,20 +408,33 @@ def lookup_config(kernel: Any, arch: Any, problem: dict[str, Any], m: int, stric
         kernel = REGISTRY.get(kernel, kernel)
     prob = strip_m(kernel, problem)
     pkey = tuple(sorted((k, str(v)) for k, v in prob.items()))
-    rkey = (root, name, arch, pkey, bucket_for(m), strict)
+    cu = _cu_count(arch)
+    rkey = (root, os.environ.get(OVERRIDE_ENV), cu, name, arch, pkey, bucket_for(m), strict)
     hit = _RESULTS.get(rkey)
     if hit is not None:
-        return dict(hit)
+        cfg, path = hit
+        _log(name, arch, prob, m, path, path is not None)
+        return dict(cfg)
     if arch == "interpret":  # the CPU interpreter: nothing to tune, defaults silently
         return {}
-    path = file_path(kernel, arch, prob, root)
-    doc = _cached_file(path)
-    entry = select_entry(doc, m) if doc is not None else None
-    if doc is not None and doc["kernel"] != name:
-        raise ConfigFileError(path, "kernel", f"says {doc['kernel']!r}, expected {name!r}")
+    tried = []
+    doc = entry = None
+    path = None
+    for path in candidate_paths(kernel, arch, prob, root, cu):
+        doc = _cached_file(path)
+        tried.append(f"{path} ({'absent' if doc is None else 'no bucket >= M and no any'})")
+        if doc is None:
+            continue
+        if doc["kernel"] != name:
+            raise ConfigFileError(path, "kernel", f"says {doc['kernel']!r}, expected {name!r}")
+        entry = select_entry(doc, m)
+        if entry is not None:
+            _check_triton(doc, path)
+            break
     if entry is None:
+        path = None
         why = (f"no tuned config for kernel {name!r} on {arch} at {prob} M={m} (bucket {bucket_for(m)}); "
-               f"searched {path} ({'exists, no bucket >= M and no any' if doc else 'absent'})")
+               f"searched " + "; ".join(tried))
         if strict:
             raise NoTunedConfig(why)
         wkey = (root, name, arch, pkey)
@@ -252,7 +444,8 @@ def lookup_config(kernel: Any, arch: Any, problem: dict[str, Any], m: int, stric
         cfg: dict[str, Any] = {}
     else:
         cfg = dict(entry["config"])
-    _RESULTS[rkey] = cfg
+    _RESULTS[rkey] = (cfg, path)
+    _log(name, arch, prob, m, path, path is not None)
     return dict(cfg)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from autotune.problems import experts_touched
+from ops.problems import experts_touched
 
 from .report import write_json
 

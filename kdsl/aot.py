@@ -49,6 +49,13 @@ class Report:
     memory_instructions: int = 0
     memory_in_main_loop: int = 0
     lds_instructions_in_main_loop: int = 0
+    # per lane, per wave, per main-loop iteration: bytes the LDS instructions read / write, and the
+    # bytes the LDS must serve counting a sub-dword access as a whole 4-byte bank slot (what sets
+    # its cycles: narrow ds_write_b8 cost as much LDS time as ds_write_b32)
+    lds_read_bytes_in_main_loop: int = 0
+    lds_write_bytes_in_main_loop: int = 0
+    lds_slot_bytes_in_main_loop: int = 0
+    main_loop_depth: int = 0  # nesting depth of the loop taken as the main loop (0: none found)
     instructions: int = 0
     ok: bool = True
     errors: list[str] = field(default_factory=list)
@@ -69,6 +76,9 @@ class Report:
             f"  matrix     {mm}; in main loop: {self.matrix_in_main_loop}",
             f"  VALU       {self.valu_instructions} (main loop {self.valu_in_main_loop})",
             f"  memory     {self.memory_instructions} (main loop {self.memory_in_main_loop}, LDS ops {self.lds_instructions_in_main_loop})",
+            f"  LDS bytes  per lane per main-loop iteration: read {self.lds_read_bytes_in_main_loop}, "
+            f"write {self.lds_write_bytes_in_main_loop} (bank slots {self.lds_slot_bytes_in_main_loop}); "
+            f"main loop depth {self.main_loop_depth}",
         ]
         lines += [f"  ERROR      {e}" for e in self.errors]
         return "\n".join(lines)
@@ -157,7 +167,10 @@ _AMD_LDS = re.compile(r"^ds_")
 
 
 def _blocks(asm: str, label_re: str) -> list[tuple[str, str, list[str]]]:
-    """Split assembly into (label, label-line comment, instruction mnemonics)."""
+    """Split assembly into (label, label comments, instruction mnemonics). The comments are the
+    label line's and those of the comment-only lines right after it: LLVM prints the loop note
+    (`=>This Inner Loop Header: Depth=1`, `in Loop: Header=...`) on the label line only when the
+    block has no IR name; otherwise the name comes first (`; %.lr.ph`) and the note on the next line."""
     out: list[tuple[str, str, list[str]]] = [("entry", "", [])]
     for line in asm.split("\n"):
         m = re.match(label_re, line)
@@ -165,6 +178,10 @@ def _blocks(asm: str, label_re: str) -> list[tuple[str, str, list[str]]]:
             out.append((m.group(1), line, []))
             continue
         s = line.strip()
+        if s.startswith((";", "//")) and not out[-1][2] and out[-1][0] != "entry":
+            lab, com, ins = out[-1]
+            out[-1] = (lab, com + " " + s, ins)
+            continue
         if not s or s.startswith((";", "//", ".", "@")) and not s.startswith("@%"):
             if not s.startswith("@"):
                 continue
@@ -176,19 +193,54 @@ def _blocks(asm: str, label_re: str) -> list[tuple[str, str, list[str]]]:
     return out
 
 
-def _main_loop(blocks, is_matrix) -> list[str]:
-    """Instructions of the loop (by LLVM's loop comments) holding the most matrix instructions."""
-    loops: dict[str, list[str]] = {}
+def _loops(blocks) -> dict[str, tuple[int, list[str]]]:
+    """Innermost loop of every block (by LLVM's loop comments): header key -> (depth, instructions)."""
+    loops: dict[str, tuple[int, list[str]]] = {}
     for label, comment, ins in blocks:
-        m = re.search(r"Loop Header: Depth=\d+", comment)
-        h = re.search(r"in Loop: Header=(\S+)", comment)
-        key = label.lstrip(".$L_").replace("_", "") if m else (h.group(1).lstrip(".$L_").replace("_", "") if h else None)
-        if key is None:
+        m = re.search(r"Loop Header: Depth=(\d+)", comment)
+        h = re.search(r"in Loop: Header=(\S+) Depth=(\d+)", comment) or re.search(r"in Loop: Header=(\S+)", comment)
+        if m:
+            key, depth = label.lstrip(".$L_").replace("_", ""), int(m.group(1))
+        elif h:
+            key = h.group(1).lstrip(".$L_").replace("_", "")
+            depth = int(h.group(2)) if h.lastindex and h.lastindex >= 2 else 1
+        else:
             continue
-        loops.setdefault(key, []).extend(ins)
+        d0, acc = loops.get(key, (depth, []))
+        loops[key] = (max(d0, depth), acc + list(ins))
+    return loops
+
+
+def _main_loop(blocks, is_matrix) -> list[str]:
+    """Instructions of the loop holding the most matrix instructions (then the deepest, then the
+    longest): the K loop of a GEMM, also when it sits inside a persistent tile loop."""
+    return _main_loop_depth(blocks, is_matrix)[1]
+
+
+def _main_loop_depth(blocks, is_matrix) -> tuple[int, list[str]]:
+    loops = _loops(blocks)
     if not loops:
-        return []
-    return max(loops.values(), key=lambda ins: (sum(1 for i in ins if is_matrix(i)), len(ins)))
+        return 0, []
+    return max(loops.values(), key=lambda d: (sum(1 for i in d[1] if is_matrix(i)), d[0], len(d[1])))
+
+
+_DS_WIDTH = re.compile(r"^ds_(read|write|load|store)(2st64|2)?_(?:addtid_)?([biu])(\d+)")
+
+
+def lds_bytes_per_lane(mnemonic: str) -> tuple[str, int, int]:
+    """(direction, bytes per lane, bank-slot bytes per lane) of an AMD LDS instruction; ("", 0, 0)
+    for other instructions. ds_read2_b64 moves 2 x 8 B; a sub-dword access occupies a 4-byte slot."""
+    if mnemonic.startswith("ds_bpermute") or mnemonic.startswith("ds_permute") or mnemonic.startswith("ds_swizzle"):
+        return "read", 4, 4
+    m = _DS_WIDTH.match(mnemonic)
+    if not m:
+        if mnemonic.startswith("ds_"):
+            return ("read" if "read" in mnemonic or "load" in mnemonic else "write"), 4, 4
+        return "", 0, 0
+    d = "read" if m.group(1) in ("read", "load") else "write"
+    n = 2 if m.group(2) else 1
+    b = max(1, int(m.group(4)) // 8)
+    return d, n * b, n * max(b, 4)
 
 
 def _amd_report(r: Report, asm: str, target: Target) -> None:
@@ -206,11 +258,18 @@ def _amd_report(r: Report, asm: str, target: Target) -> None:
     r.matrix_instructions = dict(Counter(i for i in allins if is_mm(i)))
     r.valu_instructions = sum(1 for i in allins if i.startswith("v_") and not is_mm(i))
     r.memory_instructions = sum(1 for i in allins if _AMD_MEM.match(i))
-    loop = _main_loop(blocks, is_mm)
+    r.main_loop_depth, loop = _main_loop_depth(blocks, is_mm)
     r.matrix_in_main_loop = sum(1 for i in loop if is_mm(i))
     r.valu_in_main_loop = sum(1 for i in loop if i.startswith("v_") and not is_mm(i))
     r.memory_in_main_loop = sum(1 for i in loop if _AMD_MEM.match(i))
     r.lds_instructions_in_main_loop = sum(1 for i in loop if _AMD_LDS.match(i))
+    for i in loop:
+        d, nb, slot = lds_bytes_per_lane(i)
+        if d == "read":
+            r.lds_read_bytes_in_main_loop += nb
+        elif d == "write":
+            r.lds_write_bytes_in_main_loop += nb
+        r.lds_slot_bytes_in_main_loop += slot
     # occupancy: registers (VGPR + AGPR share 512 per lane), LDS per CU, 8 waves per SIMD
     regs = -(-(r.vgpr + r.agpr) // 8) * 8
     by_regs = min(target.max_waves_per_simd, target.vgprs_per_simd_lane // max(regs, 8))
@@ -261,11 +320,21 @@ def _cuda_report(r: Report, ptx: str, target: Target) -> None:
     mem = lambda i: i.startswith(("ld.", "st.", "cp.async", "atom.", "red.", "ldmatrix", "stmatrix"))  # noqa: E731
     r.memory_instructions = sum(1 for i in allins if mem(i))
     r.valu_instructions = sum(1 for i in allins if not mem(i) and not is_mm(i) and not i.startswith(("bra", "bar", "@")))
-    loop = _main_loop(blocks, is_mm)
+    r.main_loop_depth, loop = _main_loop_depth(blocks, is_mm)
     r.matrix_in_main_loop = sum(1 for i in loop if is_mm(i))
     r.memory_in_main_loop = sum(1 for i in loop if mem(i))
     r.valu_in_main_loop = sum(1 for i in loop if not mem(i) and not is_mm(i))
     r.lds_instructions_in_main_loop = sum(1 for i in loop if i.startswith(("ld.shared", "st.shared", "ldmatrix")))
+    for i in loop:  # bytes per thread: vector width x element bits (ldmatrix .x4: 16 B per thread)
+        if i.startswith(("ld.shared", "st.shared", "ldmatrix")):
+            v = re.search(r"\.v(\d)", i)
+            e = re.search(r"\.[bfsu](\d+)", i)
+            nb = 16 if i.startswith("ldmatrix") else (int(v.group(1)) if v else 1) * max(1, int(e.group(1)) // 8 if e else 4)
+            if i.startswith("st."):
+                r.lds_write_bytes_in_main_loop += nb
+            else:
+                r.lds_read_bytes_in_main_loop += nb
+            r.lds_slot_bytes_in_main_loop += max(nb, 4)
     warps_by_regs = 65536 // max(1, (-(-max(regs, 1) * 32 // 256) * 256)) if regs else 64
     by_lds = (target.lds_bytes // r.lds_bytes) * r.num_warps if r.lds_bytes else 64
     per_sm = min(64, warps_by_regs - warps_by_regs % r.num_warps, by_lds)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Regenerate the committed tuned configs for the Kimi-K2.5 + EAGLE-3 shapes (static mode: no GPU
-# needed). Usage: bash scripts/tune_kimi.sh [group ...]   groups: moe mla mha (default: all), mxfp4.
+# needed). Usage: bash scripts/tune_kimi.sh [group ...]   groups: moe mla mha step mxfp4 (default: moe mla mha).
+# "step" tunes every kernel the Kimi decode/verify step launches (autotune tune-model, both expert
+# formats, M buckets 1..128); STEP_FLAGS adds flags to it (e.g. "--skip-tuned --max-candidates 12").
 # Extra flags for every run go in TUNE_FLAGS, e.g. TUNE_FLAGS="--mode measured --arch current".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,7 +10,7 @@ ARCHS=${ARCHS:-"gfx942 gfx950"}
 MS="1,2,4,8,16,32,64,128,256,any"
 run() {  # kernel problem [max-candidates]
   for arch in $ARCHS; do
-    python -m autotune tune "$1" --problem "$2" --m "$MS" --arch "$arch" --max-candidates "${3:-48}" \
+    python -m autotune tune "$1" --problem "$2" --m "$MS" --arch "$arch" --max-candidates "${3:-48}" --in-place \
       --quiet ${TUNE_FLAGS:-}
   done
 }
@@ -32,6 +34,14 @@ mxfp4() {  # MXFP4 (W4A4) MoE stages at the MI355X deployment shapes: TP4 (I=512
   for I in 256 512; do
     ARCHS=gfx950 MS="1,2,4,8,16,32,64,128" run moe_stage1_mxfp4 E=384,K=7168,I=$I,TOPK=8 8
     ARCHS=gfx950 MS="1,2,4,8,16,32,64,128" run moe_stage2_mxfp4 E=384,H=7168,I=$I,TOPK=8 8
+  done
+}
+step() {  # every kdsl launch of the recorded decode (q_len 1) and verify (q_len 4) step
+  for arch in $ARCHS; do
+    for experts in w4a8 w4a16; do
+      python -m autotune tune-model --config kimi-k2.5 --experts "$experts" --arch "$arch" --in-place \
+        --quiet ${STEP_FLAGS:-}
+    done
   done
 }
 groups=("$@")

@@ -71,7 +71,8 @@ def test_problem_key_and_parse():
 def test_moe_problem_model_keys_on_expert_shapes():
     """MoE stages key on (E, K|H, I, TOPK): the M-dependent block dims are derived from M and the
     config's BLOCK_M exactly as fused_experts launches, and only the touched experts' weights count."""
-    from autotune.problems import experts_touched, model_for
+    from autotune.problems import model_for
+    from ops.problems import experts_touched
 
     p1 = {"E": 384, "K": 7168, "I": 2048, "TOPK": 8}
     launch = {**p1, "M": 4, "N2": 4096, "S": 999, "NB": 9}  # what an op might pass: extra dims are ignored

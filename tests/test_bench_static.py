@@ -102,7 +102,7 @@ def test_timer_refuses_cpu() -> None:
 def test_moe_touched_bytes_by_hand() -> None:
     """At M=1 exactly top-k experts are read; W4A8 counts int4 weights at 4 bits plus f32
     per-channel scales, and the bf16 router weight is read whatever M is."""
-    from autotune.problems import experts_touched
+    from ops.problems import experts_touched
     from bench import moe as B
 
     s = B.KIMI_MOE

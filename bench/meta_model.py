@@ -1,0 +1,340 @@
+"""Build the real Kimi-K2.5 model path on meta tensors and run its forward without any data.
+
+Two pieces, kept apart from the bench's cost accounting (bench/step.py):
+
+* `meta_checkpoint(cfg, experts)`: a `models.loader.Checkpoint` whose every tensor is a meta
+  tensor of the shape the config implies (`models.loader.expected_shapes`), routed experts as
+  `QuantLinear`s in the W4A8 (Quark int4 per-channel) or W4A16 (compressed-tensors int4 g32)
+  layout, everything else bf16 as in the published checkpoints. No weight memory is allocated.
+* `HostShadowMode`: a TorchDispatchMode under which the forward runs with meta as the default
+  device. The model still reads the host in places (token lists, page tables, `.tolist()` of
+  lengths): small tensors built from host data keep a CPU "shadow" that every op on shadowed
+  inputs updates, so those reads return the true values. Every other op is counted as a device
+  launch (views, allocations and metadata ops are not), with the bytes it moves and its flops.
+  Reads of unshadowed device values (a real device->host sync in the forward) are counted and
+  answered with zeros.
+
+`build_model(...)` is the one place that constructs the model: when models/kimi.py changes its
+constructor, adapt it here.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+# Kimi-K2.5 text config (REFERENCE section 1), as its config.json's text_config spells it.
+KIMI_K25_TEXT = {
+    "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 384,
+    "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    "norm_topk_prob": True, "routed_scaling_factor": 2.827, "rms_norm_eps": 1e-5, "vocab_size": 163840,
+    "tie_word_embeddings": False, "rope_theta": 50000.0, "max_position_embeddings": 262144,
+    "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                     "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+    "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 163839, "hidden_act": "silu",
+}
+KIMI_K25_CONFIG = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+                   "text_config": KIMI_K25_TEXT}
+
+EXPERT_FORMATS = ("w4a8", "w4a16")
+SHADOW_MAX_NUMEL = 1 << 16  # host-built tensors up to this size keep a CPU shadow
+
+
+# ---------------------------------------------------------------------------------------------
+# config and checkpoint
+
+def per_gpu_config(cfg: Any, tp: int = 1, moe_parallel: str = "tp", layers: int | None = None) -> Any:
+    """The per-GPU shapes of a tensor-parallel deployment (REFERENCE section 8) as a config the
+    single-GPU model builds: MLA heads / tp, dense and shared-expert intermediate / tp, vocab / tp
+    (lm_head vocab-parallel); routed experts tensor-parallel (intermediate / tp) or expert-parallel
+    (experts / tp, top-k unchanged: an approximation, a rank sees fewer rows). The model has no
+    TP of its own yet, so this reproduces the per-GPU kernel shapes only (no collectives run)."""
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {tp}")
+    ch: dict[str, Any] = {}
+    if layers is not None:
+        ch["num_hidden_layers"] = layers
+    if tp > 1:
+        for name in ("num_attention_heads", "intermediate_size", "vocab_size"):
+            v = getattr(cfg, name)
+            if v % tp:
+                raise ValueError(f"--tp {tp} does not divide {name}={v}")
+            ch[name] = v // tp
+        if moe_parallel == "tp":
+            if cfg.moe_intermediate_size % tp:
+                raise ValueError(f"--tp {tp} does not divide moe_intermediate_size={cfg.moe_intermediate_size}")
+            ch["moe_intermediate_size"] = cfg.moe_intermediate_size // tp
+        elif moe_parallel == "ep":
+            if cfg.n_routed_experts % tp:
+                raise ValueError(f"--tp {tp} does not divide n_routed_experts={cfg.n_routed_experts}")
+            ch["n_routed_experts"] = cfg.n_routed_experts // tp
+            ch["num_experts_per_tok"] = min(cfg.num_experts_per_tok, cfg.n_routed_experts // tp)
+        else:
+            raise ValueError(f"--moe-parallel must be 'tp' or 'ep', got {moe_parallel!r}")
+    return dataclasses.replace(cfg, **ch) if ch else cfg
+
+
+def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _expert_linear(n: int, k: int, experts: str) -> Any:
+    from models.formats import QuantLinear
+
+    packed = _meta((n, k // 8), torch.int32)
+    if experts == "w4a8":
+        return QuantLinear("int4", packed, _meta((n,), torch.float32), 0, "quark_reorder", (n, k), "quark-w4a8")
+    if experts == "w4a16":
+        return QuantLinear("int4", packed, _meta((n, k // 32), torch.bfloat16), 32, "ct", (n, k),
+                           "compressed-tensors")
+    raise ValueError(f"experts format must be one of {EXPERT_FORMATS}, got {experts!r}")
+
+
+def meta_checkpoint(cfg: Any, experts: str = "w4a8") -> Any:
+    """A Checkpoint of meta tensors with the shapes `cfg` implies (routed experts quantized)."""
+    from pathlib import Path
+
+    from models.loader import Checkpoint, expected_shapes
+
+    weights: dict[str, Any] = {}
+    for name, shape in expected_shapes(cfg).items():
+        if shape is None:
+            continue
+        if ".mlp.experts." in name:
+            weights[name] = _expert_linear(shape[0], shape[1], experts)
+        elif name.endswith("e_score_correction_bias"):
+            weights[name] = _meta(shape, torch.float32)
+        else:
+            weights[name] = _meta(shape, torch.bfloat16)
+    return Checkpoint(Path("<meta>"), cfg, weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# host shadows and torch-op accounting
+
+_NOT_LAUNCHES = {
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "view", "_unsafe_view",
+    "reshape", "alias", "as_strided", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
+    "squeeze", "detach", "split", "split_with_sizes", "unbind", "chunk", "narrow", "view_as_real",
+    "view_as_complex", "lift_fresh", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel",
+    "is_same_size", "_reshape_alias", "diagonal", "unfold", "movedim", "_to_copy_meta",
+}
+_MATMULS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "dot", "addmv", "mv"}
+_GATHERS = {"index", "gather", "index_select", "embedding"}
+_SCATTERS = {"index_put", "index_put_", "_index_put_impl_", "scatter", "scatter_", "index_add", "index_add_",
+             "index_copy_", "index_copy"}
+
+
+@dataclass
+class TorchOp:
+    """One torch op of the forward that would be a device launch."""
+    name: str
+    shapes: list[tuple[int, ...]]
+    dtypes: list[str]
+    nbytes: float
+    flops: float
+    layer: int | None
+
+
+@dataclass
+class HostShadowMode(TorchDispatchMode):
+    """See the module docstring. `ops` collects device launches; `host_ops` the ops on host data only;
+    `device_reads` the reads of device values the forward makes (each a sync on a GPU)."""
+    ops: list[TorchOp] = field(default_factory=list)
+    host_ops: int = 0
+    device_reads: list[str] = field(default_factory=list)
+    layer: int | None = None
+    marks: list[tuple[int, int | None]] = field(default_factory=list)  # (kdsl launches so far, layer)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        self.shadow = WeakIdKeyDictionary()
+
+    # -- shadows
+    def _sh(self, t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            if t.device.type != "meta":
+                return t
+            return self.shadow.get(t)
+        return t
+
+    def _all_shadowed(self, args: Any, kwargs: Any) -> bool:
+        flat, _ = tree_flatten((args, kwargs))
+        ts = [a for a in flat if isinstance(a, torch.Tensor)]
+        return all(t.device.type != "meta" or t in self.shadow for t in ts)
+
+    def host_tensor(self, cpu: torch.Tensor) -> torch.Tensor:
+        """A meta tensor standing for host data `cpu` (what torch.tensor(list) makes here)."""
+        m = torch.empty(cpu.shape, dtype=cpu.dtype, device="meta")
+        if cpu.numel() <= SHADOW_MAX_NUMEL:
+            self.shadow[m] = cpu
+        return m
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        name = func._schema.name.split("::")[-1]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            s = self._sh(args[0])
+            if s is not None:
+                return s.item()
+            self.device_reads.append(f"{name} of {tuple(args[0].shape)} {args[0].dtype}")
+            return False if args[0].dtype == torch.bool else 0
+        dev = kwargs.get("device")
+        if name == "_to_copy" and dev is not None and torch.device(dev).type == "cpu" and args[0].device.type == "meta":
+            s = self._sh(args[0])
+            if s is None:
+                self.device_reads.append(f"copy to host of {tuple(args[0].shape)} {args[0].dtype}")
+                return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+            return s.to(dtype=kwargs.get("dtype") or s.dtype).clone()
+        shadowed = self._all_shadowed(args, kwargs)
+        flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        to_meta = dev is not None and torch.device(dev).type == "meta"
+        if shadowed and any(t.device.type != "meta" for t in flat_in) and not to_meta:
+            # host data only, some of it a real CPU tensor: the model computes this on the host
+            self.host_ops += name not in _NOT_LAUNCHES
+            return func(*tree_map(self._sh, args), **{k: tree_map(self._sh, v) for k, v in kwargs.items()})
+        out = func(*args, **kwargs)
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        small = all(o.numel() <= SHADOW_MAX_NUMEL for o in outs)
+        if shadowed and small and name not in ("empty", "empty_like", "empty_strided", "new_empty"):
+            try:
+                sargs = tree_map(self._sh, args)
+                skw = {k: ("cpu" if k == "device" else tree_map(self._sh, v)) for k, v in kwargs.items()}
+                sout = func(*sargs, **skw)
+                for o, so in zip(outs, [x for x in tree_flatten(sout)[0] if isinstance(x, torch.Tensor)]):
+                    if o.device.type == "meta":
+                        self.shadow[o] = so
+            except Exception:  # noqa: BLE001 - a shadow we cannot compute is simply absent
+                pass
+            if name not in _NOT_LAUNCHES:
+                self.host_ops += 1
+            return out
+        if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor) and args[0] in self.shadow:
+            del self.shadow[args[0]]  # written from device data: the shadow is stale
+        if name.rstrip("_") in _NOT_LAUNCHES or name in _NOT_LAUNCHES:
+            return out
+        self.ops.append(self._account(name, args, kwargs, outs))
+        return out
+
+    def _account(self, name: str, args: Any, kwargs: Any, outs: list[torch.Tensor]) -> TorchOp:
+        ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        nb = lambda t: t.numel() * t.element_size()  # noqa: E731
+        out_b = sum(nb(o) for o in outs)
+        base = name.rstrip("_")
+        if base in _GATHERS:  # reads the gathered rows (= the output) and the indices, not the table
+            nbytes = 2 * out_b + sum(nb(t) for t in ins[1:])
+        elif name in _SCATTERS or base in _SCATTERS:  # reads and writes the scattered values
+            vals = ins[-1] if ins else None
+            nbytes = 2 * (nb(vals) if vals is not None else 0) + sum(nb(t) for t in ins[1:-1])
+        else:
+            seen: set[int] = set()
+            nbytes = 0
+            for t in ins + outs:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    nbytes += nb(t)
+        flops = 0.0
+        if base in _MATMULS and len(ins) >= 2:
+            a, b = ins[-2], ins[-1]
+            k = a.shape[-1]
+            flops = 2.0 * (outs[0].numel() if outs else 0) * k
+        return TorchOp(name, [tuple(t.shape) for t in ins + outs], [str(t.dtype).replace("torch.", "") for t in ins],
+                       float(nbytes), flops, self.layer)
+
+
+@contextlib.contextmanager
+def meta_forward(mode: HostShadowMode) -> Iterator[HostShadowMode]:
+    """Meta as the default device, `torch.tensor(host data)` shadowed, `mode` active."""
+    orig_tensor = torch.tensor
+
+    def tensor(data: Any, *a: Any, **k: Any) -> torch.Tensor:
+        k.pop("device", None)
+        with torch.utils._python_dispatch._disable_current_modes():
+            cpu = orig_tensor(data, *a, device="cpu", **k)
+        return mode.host_tensor(cpu)
+
+    torch.tensor = tensor  # type: ignore[assignment]
+    try:
+        with torch.device("meta"), mode:
+            yield mode
+    finally:
+        torch.tensor = orig_tensor  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+
+def _launches() -> int:
+    from kdsl.record import active
+
+    rec = active()
+    return len(rec.launches) if rec is not None else 0
+
+
+def _layer_tag(mode: HostShadowMode, i: int, fn: Callable) -> Callable:
+    def call(*a: Any, **k: Any) -> Any:
+        prev, mode.layer = mode.layer, i
+        mode.marks.append((_launches(), i))
+        try:
+            return fn(*a, **k)
+        finally:
+            mode.layer = prev
+            mode.marks.append((_launches(), prev))
+    return call
+
+
+def launch_layers(mode: HostShadowMode, n: int) -> list[int | None]:
+    """The layer of each of the first n recorded kdsl launches (from the marks the layer tags left)."""
+    out: list[int | None] = []
+    j, cur = 0, None
+    marks = mode.marks
+    for i in range(n):
+        while j < len(marks) and marks[j][0] <= i:
+            cur = marks[j][1]
+            j += 1
+        out.append(cur)
+    return out
+
+
+def build_model(cfg: Any, experts: str, mode: HostShadowMode) -> Any:
+    """KimiModel (triton backend) over a meta checkpoint; each layer's callables tag the ops they
+    launch with the layer index (the only bench-side hook into the model object)."""
+    from models.kimi import KimiModel
+
+    ck = meta_checkpoint(cfg, experts)
+    with torch.device("meta"):
+        model = KimiModel(ck, backend="triton", dtype=torch.bfloat16, capture_ids=())
+    model.layers = [tuple(_layer_tag(mode, i, f) for f in layer) for i, layer in enumerate(model.layers)]
+    return model
+
+
+def meta_cache(cfg: Any, batch: int, ctx: int, q_len: int, page_size: int = 64) -> Any:
+    """A latent cache on meta with `batch` sequences already holding `ctx` tokens (pages reserved
+    for ctx + q_len)."""
+    from models.kv_cache import LatentCache
+
+    pages = batch * math.ceil((ctx + q_len) / page_size) + 1
+    cache = LatentCache(cfg.num_hidden_layers, batch, pages, page_size, cfg.kv_cache_dim, dtype=torch.bfloat16,
+                        device="meta")
+    for b in range(batch):
+        cache.table.reserve(b, ctx + q_len)
+        cache.table.lengths[b] = ctx
+    return cache
+
+
+def run_step(model: Any, cfg: Any, mode: HostShadowMode, batch: int, ctx: int, q_len: int) -> None:
+    """One decode (q_len 1) or verify (q_len > 1) step of `batch` sequences at context `ctx`."""
+    cache = meta_cache(cfg, batch, ctx, q_len)
+    toks = [(b, [1 + (b + j) % 1000 for j in range(q_len)]) for b in range(batch)]
+    with meta_forward(mode):
+        model.forward(cache, toks)

@@ -1,0 +1,594 @@
+"""python -m bench.step: the whole decode step as the unit of performance, predicted statically.
+
+Builds the real model path (models.kimi.KimiModel, backend "triton") at a real config (Kimi-K2.5 by
+default, or a config.json) on meta tensors (bench/meta_model.py: no weight is allocated), runs one
+forward of `batch` sequences at context `ctx` with q_len 1 (decode) and q_len 4 (EAGLE-3 verify)
+under kdsl's record mode (every kdsl launch is bound, checked and specialized with the recording
+target's tuned config, none runs) and a dispatch mode that counts the torch ops the forward runs
+besides the kernels. Then every launch is costed:
+
+* kdsl launch: compiled for the arch (AOT, cached) and scored by autotune's cost model
+  (`autotune.search.score`: the kernel's problem model, the ISA report, LDS, occupancy, HBM) with
+  the config it looked up; its floor is the problem model's roofline (bytes / HBM, flops / peak);
+* torch op: max(bytes / HBM, flops / peak of its dtype) (gathers count the rows read, not the table);
+* every launch (kdsl or torch) adds the stated launch gap (`autotune.costmodel.LAUNCH_GAP_US`:
+  graph replay by default, `--gap eager` for eager launches); the floor has no gaps;
+* with --tp N > 1: two all-reduces of the hidden state per layer, latency + ring bytes / link
+  bandwidth (`ALLREDUCE`, stated assumptions).
+
+Predicted step = sum of predicted launch times + gaps (+ all-reduces); floor = sum of floors.
+`--layers N` records N layers and scales the MoE layers' items to the config's layer count.
+On a machine with a GPU the step is also run and timed (eager; graph capture when the forward
+allows it) next to the prediction.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.meta_model import (EXPERT_FORMATS, KIMI_K25_CONFIG, HostShadowMode, build_model, per_gpu_config,
+                              run_step)
+
+# All-reduce of the hidden state per TP layer (twice a layer): (latency us, effective bus GB/s).
+# Stated assumptions: RCCL/NCCL small-message all-reduce ~10 us on 8 GPUs over XGMI (MI300X/MI355X)
+# or NVLink (H100); ring traffic 2 (N-1)/N x bytes at the effective per-GPU bandwidth.
+ALLREDUCE = {"gfx942": (10.0, 300.0), "gfx950": (10.0, 400.0), "sm90": (8.0, 350.0)}
+REPORT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "kdsl", "step_reports.json")
+
+
+class UsageError(Exception):
+    """Bad input: one line naming the flag or file, exit status 2."""
+
+
+def load_model_config(spec: str, tp: int = 1, moe_parallel: str = "tp", layers: int | None = None) -> Any:
+    """`spec`: 'kimi-k2.5' (REFERENCE section 1 values) or a config.json path; per-GPU shapes for `tp`."""
+    from models.config import parse_config
+
+    if spec in ("kimi-k2.5", "kimi", "kimi-k25"):
+        d = KIMI_K25_CONFIG
+    else:
+        with open(spec) as f:
+            d = json.load(f)
+    cfg = parse_config(d)
+    if not hasattr(cfg, "n_routed_experts"):
+        raise ValueError(f"{spec}: not a target (DeepSeek-V3 / Kimi) config")
+    if layers is not None:
+        first = cfg.first_k_dense_replace
+        layers = max(layers, first + 1 if cfg.n_routed_experts else 1)
+        layers = min(layers, cfg.num_hidden_layers)
+    return per_gpu_config(cfg, tp, moe_parallel, layers)
+
+
+@dataclass
+class StepRecord:
+    """What one recorded step launched."""
+    q_len: int
+    launches: list[Any]
+    lookups: list[dict[str, Any]]
+    mode: HostShadowMode
+    layers: int
+    record_s: float
+
+
+def record_step(cfg: Any, experts: str, arch: str, batch: int, ctx: int, q_len: int, model: Any = None,
+                mode: HostShadowMode | None = None) -> StepRecord:
+    """Record one forward of `batch` x `q_len` new tokens at context `ctx` (see module docstring)."""
+    import kdsl as kd
+    from autotune.store import lookup_log
+
+    mode = mode or HostShadowMode()
+    if model is None:
+        model = build_model(cfg, experts, mode)
+    mode.ops.clear()
+    mode.device_reads.clear()
+    mode.marks.clear()
+    mode.host_ops = 0
+    t0 = time.time()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with lookup_log() as log, kd.recording(arch) as rec:
+            run_step(model, cfg, mode, batch, ctx, q_len)
+    return StepRecord(q_len, list(rec.launches), list(log), mode, cfg.num_hidden_layers, time.time() - t0)
+
+
+def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: int = 1, ctx: int = 8192
+                  ) -> list[tuple[Any, dict[str, Any], int]]:
+    """Distinct (kernel, keyed problem, smallest M launched) of the kdsl launches of the recorded
+    steps (for tune-model). Kernels whose op looks up no tuned config are left out (nothing would
+    read their files). The smallest M matters for decode attention: at q_len 4, M = batch x 4."""
+    from autotune.problems import m_of, strip_m
+
+    out: dict[tuple, tuple[Any, dict[str, Any], int]] = {}
+    mode = HostShadowMode()
+    model = build_model(cfg, experts, mode)
+    for ql in q_lens:
+        rec = record_step(cfg, experts, arch, batch, ctx, ql, model, mode)
+        looked = {e["kernel"] for e in rec.lookups}
+        for r in rec.launches:
+            if r.kernel.name not in looked:
+                continue
+            p = strip_m(r.kernel, r.dims)
+            key = (r.kernel.name, json.dumps(p, sort_keys=True))
+            m = m_of(r.kernel, r.dims) // max(1, batch)  # per sequence: the batch-1 M of this launch
+            prev = out.get(key)
+            out[key] = (r.kernel, p, min(m, prev[2]) if prev else m)
+    return [out[k] for k in sorted(out)]
+
+
+# ---------------------------------------------------------------------------------------------
+# costing
+
+def _load_cache() -> dict[str, Any]:
+    try:
+        with open(REPORT_CACHE) as f:
+            d = json.load(f)
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(d: dict[str, Any]) -> None:
+    try:
+        os.makedirs(os.path.dirname(REPORT_CACHE), exist_ok=True)
+        tmp = f"{REPORT_CACHE}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(d, f)
+        os.replace(tmp, REPORT_CACHE)
+    except OSError:
+        pass
+
+
+def _report_key(r: Any, arch: str) -> str:
+    import triton
+
+    from autotune.store import helpers_hash, kernel_source_hash
+
+    return json.dumps([r.kernel.name, kernel_source_hash(r.kernel), helpers_hash(r.kernel), arch, triton.__version__,
+                       sorted(r.config.items()), sorted(r.dims.items())], default=str)
+
+
+def compile_reports(launches: list[Any], arch: str, workers: int | None = None, log: Any = None) -> dict[str, Any]:
+    """AOT reports of the distinct (kernel, config, dims) launches, compiled in parallel, cached on disk."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    from autotune.search import _run_job
+
+    cache = _load_cache()
+    todo: dict[str, Any] = {}
+    for r in launches:
+        k = _report_key(r, arch)
+        if k not in cache and k not in todo:
+            todo[k] = r
+    if todo:
+        if log:
+            log(f"compiling {len(todo)} distinct launches for {arch} ...")
+        ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+        with cf.ProcessPoolExecutor(max_workers=workers or min(4, os.cpu_count() or 1), mp_context=ctx) as ex:
+            futs = {ex.submit(_run_job, r.kernel.name, arch, dict(r.config), dict(r.dims)): k for k, r in todo.items()}
+            for f in cf.as_completed(futs):
+                rep = f.result()
+                rep.pop("problem", None)
+                cache[futs[f]] = rep
+        _save_cache(cache)
+    return cache
+
+
+@dataclass
+class Item:
+    kind: str            # "kdsl" | "torch" | "allreduce"
+    name: str
+    shape: str
+    layer: int | None
+    predicted_us: float  # without the gap
+    floor_us: float
+    gap_us: float
+    weight: float = 1.0  # layer scaling (--layers)
+    config: dict[str, Any] = field(default_factory=dict)
+    tuned: str = ""      # "tuned" | "fallback" (a lookup found no file) | "no lookup" (the op looks none up)
+    bound: str = ""
+
+
+def _shape_label(dims: dict[str, Any], keys: list[str]) -> str:
+    return " ".join(f"{k}={dims[k]}" for k in keys if k in dims)
+
+
+def _layer_of(launch_layers: list[int | None], i: int) -> int | None:
+    return launch_layers[i] if i < len(launch_layers) else None
+
+
+def cost_step(rec: StepRecord, cfg: Any, arch: str, ctx: int, gap: str = "graph", tp: int = 1,
+              full_layers: int | None = None, launch_layers: list[int | None] | None = None,
+              workers: int | None = None, log: Any = None) -> list[Item]:
+    """Predicted and floor time of every launch of the recorded step (see module docstring)."""
+    from autotune import costmodel
+    from autotune.problems import key_dims, m_of
+    from autotune.search import score
+    from kdsl.targets import get_target
+
+    target = get_target(arch)
+    g = costmodel.launch_gap_us(target, gap)
+    reports = compile_reports(rec.launches, arch, workers, log)
+    first = cfg.first_k_dense_replace
+    full = full_layers or rec.layers
+    moe_w = (full - first) / max(1, rec.layers - first)
+
+    def weight(layer: int | None) -> float:
+        return 1.0 if layer is None or layer < first else moe_w
+
+    items: list[Item] = []
+    for i, r in enumerate(rec.launches):
+        k = r.kernel
+        layer = _layer_of(launch_layers or [], i)
+        prob = dict(r.dims)
+        if "PS" in prob:  # paged decode attention: the context sets its bytes and split count
+            prob["CTX"] = ctx + rec.q_len
+        m = m_of(k, r.dims)
+        rep = reports[_report_key(r, arch)]
+        try:
+            fig = score(k, target, prob, m, dict(r.config), rep)
+            pred, floor = float(fig["predicted_us"]), float(fig["floor_us"])
+            bound = fig.get("bound", "")
+        except Exception as e:  # noqa: BLE001 - a launch the model cannot score is shown, not dropped
+            pred, floor, bound = math.nan, math.nan, f"unscored: {type(e).__name__}: {e}"[:80]
+        looks = [e for e in rec.lookups if e["kernel"] == k.name and e["launch_index"] is not None
+                 and e["launch_index"] <= i]
+        tuned = "no lookup" if not looks else ("tuned" if looks[-1]["hit"] else "fallback")
+        keys = key_dims(k, prob) or sorted(prob)
+        label = _shape_label(prob, keys) + f" M={m}"
+        items.append(Item("kdsl", k.name, label, layer, pred, floor, g, weight(layer),
+                          {a: b for a, b in r.config.items()}, tuned, bound))
+    for op in rec.mode.ops:
+        dt = op.dtypes[0] if op.dtypes else "bfloat16"
+        peak = target.peak_tflops.get({"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(dt, "bf16"),
+                                      target.peak_tflops["bf16"])
+        mem = op.nbytes / (target.hbm_gbps * 1e9) * 1e6
+        comp = op.flops / (peak * 1e12) * 1e6
+        t = max(mem, comp)
+        shape = " x ".join("[" + ",".join(map(str, s)) + "]" for s in op.shapes[:3])
+        items.append(Item("torch", op.name, shape, op.layer, t, t, g, weight(op.layer), {}, "torch op",
+                          "memory" if mem >= comp else "compute"))
+    if tp > 1:
+        lat, bw = ALLREDUCE.get(arch, (10.0, 300.0))
+        rows = rec_rows(rec)
+        nbytes = rows * cfg.hidden_size * 2
+        t = lat + 2 * (tp - 1) / tp * nbytes / (bw * 1e9) * 1e6
+        for layer in range(rec.layers):
+            for what in ("after o_proj", "after MoE"):
+                items.append(Item("allreduce", f"all-reduce {what}", f"{nbytes} B tp={tp}", layer, t,
+                                  nbytes * 2 * (tp - 1) / tp / (bw * 1e9) * 1e6, 0.0, weight(layer), {}, "", "link"))
+    return items
+
+
+def rec_rows(rec: StepRecord) -> int:
+    for r in rec.launches:
+        if r.kernel.name == "rmsnorm":
+            return int(r.dims.get("M", 1))
+    return rec.q_len
+
+
+def launch_layers(rec: StepRecord) -> list[int | None]:
+    from bench.meta_model import launch_layers as ll
+
+    return ll(rec.mode, len(rec.launches))
+
+
+def summarize(items: list[Item], rec: StepRecord, cfg: Any, full_layers: int, top: int = 10) -> dict[str, Any]:
+    """Totals, per-layer launch counts, the top items by share and the fallbacks."""
+    pred = sum((it.predicted_us + it.gap_us) * it.weight for it in items if math.isfinite(it.predicted_us))
+    pred_rec = sum(it.predicted_us + it.gap_us for it in items if math.isfinite(it.predicted_us))
+    floor = sum(it.floor_us * it.weight for it in items if math.isfinite(it.floor_us))
+    gaps = sum(it.gap_us * it.weight for it in items)
+    n_kdsl = sum(it.weight for it in items if it.kind == "kdsl")
+    n_torch = sum(it.weight for it in items if it.kind == "torch")
+    per_layer: dict[str, dict[str, int]] = {}
+    for it in items:
+        if it.layer is None or it.kind == "allreduce":
+            continue
+        kind = "dense" if it.layer < cfg.first_k_dense_replace else "moe"
+        d = per_layer.setdefault(kind, {"kdsl": 0, "torch": 0, "layers": 0})
+        d[it.kind] += 1
+    for kind in per_layer:
+        n = sum(1 for i in range(rec.layers) if (i < cfg.first_k_dense_replace) == (kind == "dense"))
+        per_layer[kind] = {"kdsl": per_layer[kind]["kdsl"] // max(1, n), "torch": per_layer[kind]["torch"] // max(1, n),
+                           "layers": n}
+    groups: dict[tuple, dict[str, Any]] = collections.OrderedDict()
+    for it in items:
+        key = (it.kind, it.name, it.shape)
+        g = groups.setdefault(key, {"kind": it.kind, "name": it.name, "shape": it.shape, "count": 0.0,
+                                    "us": 0.0, "floor_us": 0.0, "per_launch_us": it.predicted_us,
+                                    "config": it.config, "tuned": it.tuned})
+        g["count"] += it.weight
+        g["us"] += (it.predicted_us + it.gap_us) * it.weight
+        g["floor_us"] += it.floor_us * it.weight
+    ranked = sorted(groups.values(), key=lambda g: -g["us"] if math.isfinite(g["us"]) else 0)
+    for g in ranked:
+        g["share"] = g["us"] / pred if pred else 0.0
+    fb = [g for g in ranked if g["kind"] == "kdsl" and g["tuned"] != "tuned"]
+    return {"q_len": rec.q_len, "launches": round(n_kdsl + n_torch), "kdsl_launches": round(n_kdsl),
+            "torch_launches": round(n_torch), "launches_per_layer": per_layer, "predicted_us": pred,
+            "floor_us": floor, "gaps_us": gaps, "predicted_us_recorded_layers": pred_rec, "ratio": pred / floor if floor else math.inf,
+            "layers_recorded": rec.layers, "layers": full_layers, "host_ops": rec.mode.host_ops,
+            "device_reads": len(rec.mode.device_reads), "record_s": round(rec.record_s, 2),
+            "top": ranked[:top], "fallbacks": [{"name": g["name"], "shape": g["shape"], "why": g["tuned"],
+                                                "count": g["count"]} for g in fb],
+            "items": ranked}
+
+
+def print_summary(s: dict[str, Any], head: str) -> None:
+    print(f"\n== {head}: q_len {s['q_len']} ==")
+    print(f"launches {s['launches']} ({s['kdsl_launches']} kdsl + {s['torch_launches']} torch);  per layer: "
+          + "; ".join(f"{k} {v['kdsl']} kdsl + {v['torch']} torch" for k, v in s["launches_per_layer"].items()))
+    print(f"predicted {s['predicted_us'] / 1e3:.3f} ms (launch gaps {s['gaps_us'] / 1e3:.3f} ms)  floor "
+          f"{s['floor_us'] / 1e3:.3f} ms  ratio {s['ratio']:.2f}x   [{s['layers']} layers"
+          + (f", {s['layers_recorded']} recorded and scaled" if s["layers_recorded"] != s["layers"] else "") + "]")
+    print(f"host-side tensor ops {s['host_ops']}, device->host reads in the forward {s['device_reads']}")
+    print(f"{'share':>6} {'total us':>10} {'count':>6} {'each us':>9}  item")
+    for g in s["top"]:
+        print(f"{g['share']:>6.1%} {g['us']:>10.1f} {g['count']:>6.0f} {g['per_launch_us']:>9.2f}  "
+              f"{g['kind']} {g['name']} {g['shape']}" + ("" if g["kind"] != "kdsl" else f"  [{g['tuned']}]"))
+    if s["fallbacks"]:
+        print("default configs (no tuned file / the op looks none up):")
+        for f in s["fallbacks"]:
+            print(f"  {f['name']} {f['shape']}  ({f['why']}, x{f['count']:.0f})")
+    else:
+        print("no launch fell back to a default config")
+
+
+def plot(summaries: list[tuple[str, dict[str, Any]]], path: str) -> None:
+    """Waterfall of each step's items (cumulative predicted time, floor beside it) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(summaries), 1, figsize=(12, 4.5 * len(summaries)), squeeze=False)
+    for ax, (title, s) in zip(axes[:, 0], summaries):
+        groups = [g for g in s["items"] if math.isfinite(g["us"])][:25]
+        rest = s["predicted_us"] - sum(g["us"] for g in groups)
+        labels = [f"{g['name']} {g['shape']}"[:48] for g in groups] + ["rest"]
+        vals = [g["us"] / 1e3 for g in groups] + [max(0.0, rest) / 1e3]
+        floors = [g["floor_us"] / 1e3 for g in groups] + [0.0]
+        start = 0.0
+        for i, (v, f) in enumerate(zip(vals, floors)):
+            ax.barh(i, v, left=start, color="tab:blue" if i < len(groups) else "tab:gray")
+            ax.barh(i, f, left=start, color="tab:orange", height=0.35)
+            start += v
+        ax.set_yticks(range(len(labels)))
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms (blue: predicted incl. launch gaps, cumulative; orange: floor)")
+        ax.set_title(f"{title}: predicted {s['predicted_us'] / 1e3:.2f} ms, floor {s['floor_us'] / 1e3:.2f} ms "
+                     f"({s['ratio']:.2f}x), {s['launches']} launches")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def measure_gpu(cfg: Any, experts: str, batch: int, ctx: int, q_len: int, iters: int = 5) -> dict[str, Any]:
+    """On a GPU: the step run for real (random weights, `cfg`'s layers) in eager mode, and under a
+    CUDA/HIP graph when the forward can be captured (it cannot while it reads the host)."""
+    import torch
+
+    from bench.meta_model import meta_cache, meta_checkpoint
+
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0)}
+    ck = meta_checkpoint(cfg, experts)
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype in (torch.int32, torch.int8, torch.uint8):
+            return torch.randint(-2 ** 31, 2 ** 31 - 1, t.shape, dtype=torch.int64, device="cuda").to(t.dtype)
+        return (torch.randn(t.shape, device="cuda", dtype=torch.float32) * 0.02).to(t.dtype)
+
+    from models.formats import QuantLinear
+
+    for n, w in list(ck.weights.items()):
+        ck.weights[n] = w.__class__(**{**w.__dict__, "packed": real(w.packed), "scale": real(w.scale).abs() * 0.01}) \
+            if isinstance(w, QuantLinear) else real(w)
+    from models.kimi import KimiModel
+
+    with torch.device("cuda"):
+        model = KimiModel(ck, backend="triton", dtype=torch.bfloat16, capture_ids=())
+    cache = meta_cache(cfg, batch, ctx, q_len)
+    cache.kv = [torch.randn(k.shape, device="cuda", dtype=torch.float32).to(k.dtype) * 0.1 for k in cache.kv]
+    toks = [(b, [1 + j for j in range(q_len)]) for b in range(batch)]
+
+    def step() -> None:
+        for b in range(batch):
+            cache.table.lengths[b] = ctx
+        with torch.device("cuda"):
+            model.forward(cache, toks)
+
+    step()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        step()
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3)
+    out["eager_us"] = sorted(ts)[len(ts) // 2]
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        g.replay()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(iters):
+            g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        out["graph_us"] = e0.elapsed_time(e1) * 1e3 / iters
+    except Exception as e:  # noqa: BLE001
+        out["graph_us"] = None
+        out["graph_error"] = f"not capturable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    class P(argparse.ArgumentParser):
+        def error(self, message: str) -> None:
+            raise UsageError(f"bench.step: {message}")
+
+    p = P(prog="python -m bench.step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="kimi-k2.5", help="config.json of the target, or 'kimi-k2.5' (default)")
+    p.add_argument("--arch", default="gfx942,gfx950", help="comma-separated: gfx942, gfx950, sm90")
+    p.add_argument("--experts", default="w4a8,w4a16", help="routed-expert formats, comma-separated: w4a8, w4a16")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument("--ctx", type=int, default=8192, help="cached tokens per sequence (default 8192)")
+    p.add_argument("--q-lens", default="1,4", help="q_len per step: 1 = decode, 4 = verify (default 1,4)")
+    p.add_argument("--layers", type=int, default=None, help="record this many layers and scale to the config's count")
+    p.add_argument("--tp", type=int, default=1, help="per-GPU shapes of TP N (the model has no TP yet: shapes only)")
+    p.add_argument("--moe-parallel", default="tp", choices=("tp", "ep"), help="MoE split with --tp (default tp)")
+    p.add_argument("--gap", default="graph", choices=("graph", "eager"), help="launch gap figure (default graph)")
+    p.add_argument("--top", type=int, default=10, help="items listed per step (default 10)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
+    p.add_argument("--plot", default=None, help="write the waterfall PNG here")
+    p.add_argument("--workers", type=int, default=None, help="parallel AOT compiles (default min(4, cores))")
+    p.add_argument("--no-measure", action="store_true", help="skip the GPU measurement even when a GPU is present")
+    a = p.parse_args(argv)
+    for flag, v, lo, hi in (("--batch", a.batch, 1, 4096), ("--ctx", a.ctx, 1, 1 << 22), ("--tp", a.tp, 1, 64),
+                            ("--top", a.top, 1, 1000)):
+        if not lo <= v <= hi:
+            raise UsageError(f"bench.step: {flag} must be in {lo}..{hi}, got {v}")
+    if a.layers is not None and not 1 <= a.layers <= 1024:
+        raise UsageError(f"bench.step: --layers must be in 1..1024, got {a.layers}")
+    if a.workers is not None and not 1 <= a.workers <= 256:
+        raise UsageError(f"bench.step: --workers must be in 1..256, got {a.workers}")
+    a.archs = [x.strip() for x in a.arch.split(",") if x.strip()]
+    for x in a.archs:
+        if x not in ("gfx942", "gfx950", "sm90"):
+            raise UsageError(f"bench.step: --arch: unknown arch {x!r} (gfx942, gfx950, sm90)")
+    a.fmts = [x.strip() for x in a.experts.split(",") if x.strip()]
+    for x in a.fmts:
+        if x not in EXPERT_FORMATS:
+            raise UsageError(f"bench.step: --experts: unknown format {x!r} ({', '.join(EXPERT_FORMATS)})")
+    try:
+        a.qls = [int(x) for x in a.q_lens.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"bench.step: --q-lens takes ints, got {a.q_lens!r}") from None
+    if not a.qls or any(not 1 <= q <= 16 for q in a.qls):
+        raise UsageError(f"bench.step: --q-lens values must be in 1..16, got {a.q_lens!r}")
+    if a.plot and os.path.isdir(a.plot):
+        raise UsageError(f"bench.step: --plot {a.plot!r} is a folder; give a .png path")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        a = _args(argv)
+        try:
+            full = load_model_config(a.config, a.tp, a.moe_parallel)
+            cfg = load_model_config(a.config, a.tp, a.moe_parallel, layers=a.layers)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"bench.step: --config {a.config!r}: {str(e).splitlines()[0] if str(e) else e}") from None
+    except UsageError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    from autotune import costmodel
+
+    log = (lambda m: print(m, file=sys.stderr)) if a.json else (lambda m: print(m, flush=True))
+    doc: dict[str, Any] = {"config": a.config, "batch": a.batch, "ctx": a.ctx, "tp": a.tp, "gap": a.gap,
+                           "layers": full.num_hidden_layers, "layers_recorded": cfg.num_hidden_layers,
+                           "assumptions": {"launch_gap_us": costmodel.LAUNCH_GAP_US,
+                                           "allreduce_latency_us_bw_gbps": ALLREDUCE,
+                                           "lds_bytes_per_clk": costmodel.LDS_BYTES_PER_CLK},
+                           "steps": []}
+    if a.tp > 1:
+        log(f"note: the model has no tensor parallelism yet; --tp {a.tp} builds the per-GPU shapes "
+            f"(heads, intermediate{' ' if a.moe_parallel == 'tp' else ', experts '}/ {a.tp}) and adds all-reduce terms")
+    plots = []
+    for fmt in a.fmts:
+        mode = HostShadowMode()
+        t0 = time.time()
+        model = build_model(cfg, fmt, mode)
+        log(f"built {fmt} model ({cfg.num_hidden_layers} layers) on meta in {time.time() - t0:.1f}s")
+        for arch in a.archs:
+            for ql in a.qls:
+                rec = record_step(cfg, fmt, arch, a.batch, a.ctx, ql, model, mode)
+                items = cost_step(rec, cfg, arch, a.ctx, a.gap, a.tp, full.num_hidden_layers,
+                                  launch_layers(rec), a.workers, log)
+                s = summarize(items, rec, cfg, full.num_hidden_layers, a.top)
+                head = f"{arch} {fmt} batch {a.batch} ctx {a.ctx} tp {a.tp}"
+                if not a.json:
+                    print_summary(s, head)
+                s.update(arch=arch, experts=fmt)
+                doc["steps"].append(s)
+                plots.append((f"{head} q_len {ql}", s))
+    if a.plot:
+        try:
+            plot(plots, a.plot)
+            log(f"wrote {a.plot}")
+        except ImportError:
+            print("bench.step: --plot needs matplotlib (pip install matplotlib, or the 'bench' extra)", file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"bench.step: --plot {a.plot!r}: {e.strerror or e}", file=sys.stderr)
+            return 2
+    try:
+        import torch
+
+        gpu = torch.cuda.is_available() and not a.no_measure
+    except Exception:  # noqa: BLE001
+        gpu = False
+    if gpu:
+        if cfg.num_hidden_layers > 4:
+            log("note: measuring on the GPU needs the weights in memory: pass --layers 2..4 (the prediction "
+                "for the same recorded layers is printed beside it)")
+        for fmt in a.fmts:
+            for ql in a.qls:
+                try:
+                    m = measure_gpu(cfg, fmt, a.batch, a.ctx, ql)
+                    here = [s for s in doc["steps"] if s["experts"] == fmt and s["q_len"] == ql]
+                    m["predicted_us_same_layers"] = {s["arch"]: s["predicted_us_recorded_layers"] for s in here}
+                except Exception as e:  # noqa: BLE001
+                    m = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]}
+                m.update(experts=fmt, q_len=ql)
+                doc.setdefault("measured", []).append(m)
+                if not a.json:
+                    print(f"measured {fmt} q_len {ql}: {m}")
+    if a.json:
+        for s in doc["steps"]:
+            s.pop("items", None)
+        print(json.dumps(doc, indent=1, default=str, allow_nan=False) if _finite(doc) else
+              json.dumps(_nan_to_none(doc), indent=1, default=str))
+    return 0
+
+
+def _finite(x: Any) -> bool:
+    if isinstance(x, float):
+        return math.isfinite(x)
+    if isinstance(x, dict):
+        return all(_finite(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return all(_finite(v) for v in x)
+    return True
+
+
+def _nan_to_none(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_nan_to_none(v) for v in x]
+    return x
+
+
+if __name__ == "__main__":
+    sys.exit(main())

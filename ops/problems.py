@@ -1,0 +1,303 @@
+"""Problem models of the kernels in ops/ (the contract is `autotune.problems.ProblemModel`): per
+kernel family the dims of the tuned-config key, which dim is M (and how to read M off a recorded
+launch), the bytes that must move (the roofline floor) and any extra traffic the implementation
+adds (MLA split partials), the flops, the operand type that sets the matrix peak, the main loop's
+trip count, and the dims a launch derives from M, the config and the device (MoE aligned blocks,
+MLA split counts) exactly as the ops compute them.
+
+They live next to the kernels so the tuner imports nothing of ops: `autotune.problems` imports
+`<package>.problems` of a kernel's package the first time it needs a model of that kernel.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from autotune.problems import NOMINAL_CTX, Problem, ProblemModel, register
+from ops.mla import num_splits
+from ops.moe import route_split
+
+def _gemm(wb: float, ab: float, peak: str, group: int = 0) -> tuple[Callable, Callable]:
+    def nbytes(p: Problem, m: int) -> float:
+        n, k = p["N"], p["K"]
+        b = n * k * wb + m * k * ab + m * n * 2 + 4 * n + 4 * m  # weights, acts, bf16 out, scales
+        if group:
+            b += n * (k // group) * 2  # group scales (bf16)
+        return b
+
+    def flops(p: Problem, m: int) -> float:
+        return 2.0 * m * p["N"] * p["K"]
+
+    return nbytes, flops
+
+
+def _quant_bytes(p: Problem, m: int) -> float:
+    k = p.get("K", p.get("N", 0))
+    return m * k * (2 + 1) + 4 * m  # bf16 in, 8-bit out, one f32 scale per row
+
+
+def _quant_flops(p: Problem, m: int) -> float:
+    k = p.get("K", p.get("N", 0))
+    return 4.0 * m * k
+
+
+# ---- fused MoE: keyed on the expert shapes; M only sets how many experts and blocks are touched
+
+def experts_touched(p: Problem, m: int) -> float:
+    """Expected distinct experts hit by m tokens routing to TOPK distinct experts each, uniformly
+    (exact at m=1: TOPK); only their weights are read."""
+    e, k = p["E"], p["TOPK"]
+    return e * (1.0 - (1.0 - k / e) ** m)
+
+
+def _moe_blocks(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    """The aligned-block dims `fused_experts` launches with: worst-case block count
+    cdiv(T, BLOCK_M) + min(E, T) (unused blocks exit at once), S = NB * BLOCK_M rows."""
+    bm = int(c.get("BLOCK_M", 16))
+    t = m * p["TOPK"]
+    nb = -(-t // bm) + min(p["E"], t)
+    return {"T": t, "NB": nb, "S": nb * bm}
+
+
+def _moe_stage1_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    return {**_moe_blocks(p, m, c), "N2": 2 * p["I"], "KG": p["K"] // 32}
+
+
+def _moe_stage2_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    d = _moe_blocks(p, m, c)
+    return {**d, "MO": m, "P": d["T"], "IG": p["I"] // 32}
+
+
+def _moe(stage: int, wbytes: float, abytes: float, group_scales: bool) -> tuple[Callable, Callable]:
+    """(bytes, flops) of one MoE stage: touched experts' weights and scales, activations in, the
+    bf16 intermediate (stage 1) or the f32 [M, H] output (stage 2)."""
+    def dims(p: Problem) -> tuple[int, int]:
+        return (2 * p["I"], p["K"]) if stage == 1 else (p["H"], p["I"])
+
+    def nbytes(p: Problem, m: int) -> float:
+        n, k = dims(p)
+        t = m * p["TOPK"]
+        scales = n * (k // 32) * 2 if group_scales else n * 4
+        w = experts_touched(p, m) * (n * k * wbytes + scales)
+        if stage == 1:
+            return w + m * k * abytes + 4 * m + t * p["I"] * 2
+        return w + t * k * abytes + 4 * t + 4 * t + m * n * 4  # + per-row scales, routing weights
+
+    def flops(p: Problem, m: int) -> float:
+        n, k = dims(p)
+        return 2.0 * m * p["TOPK"] * n * k
+
+    return nbytes, flops
+
+
+def _moe_gate_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    split = route_split(p["H"])
+    return {"SPLIT": split, "HS": -(-p["H"] // split)}  # HS: hidden elements per split (its loop)
+
+
+MODELS: list[ProblemModel] = [
+    ProblemModel("gemm_bf16*", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],
+                 flops_fn=_gemm(2, 2, "bf16")[1]),
+    ProblemModel("gemm_fp8*", ("N", "K"), peak_dtype="fp8", bytes_fn=_gemm(1, 1, "fp8")[0],
+                 flops_fn=_gemm(1, 1, "fp8")[1]),
+    ProblemModel("gemm_w8a8*", ("N", "K"), peak_dtype="i8", bytes_fn=_gemm(1, 1, "i8")[0],
+                 flops_fn=_gemm(1, 1, "i8")[1]),
+    ProblemModel("gemm_w4a8*", ("N", "K"), peak_dtype="i8", bytes_fn=_gemm(0.5, 1, "i8")[0],
+                 flops_fn=_gemm(0.5, 1, "i8")[1]),
+    ProblemModel("gemm_w4a16*", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(0.5, 2, "bf16", 32)[0],
+                 flops_fn=_gemm(0.5, 2, "bf16", 32)[1], derived=lambda p, m, c: {"G": p["K"] // 32}),
+    ProblemModel("moe_stage1_w4a8", ("E", "K", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe(1, 0.5, 1, False)[0],
+                 flops_fn=_moe(1, 0.5, 1, False)[1], derived=_moe_stage1_derived),
+    ProblemModel("moe_stage1_w4a16", ("E", "K", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(1, 0.5, 2, True)[0],
+                 flops_fn=_moe(1, 0.5, 2, True)[1], derived=_moe_stage1_derived),
+    ProblemModel("moe_stage1_bf16", ("E", "K", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(1, 2, 2, False)[0],
+                 flops_fn=_moe(1, 2, 2, False)[1], derived=_moe_stage1_derived),
+    ProblemModel("moe_stage2_w4a8_pq", ("E", "H", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe(2, 0.5, 1, False)[0],
+                 flops_fn=_moe(2, 0.5, 1, False)[1], derived=_moe_stage2_derived, m_of=lambda d: int(d["MO"]), loop_dim="I"),
+    ProblemModel("moe_stage2_w4a8", ("E", "H", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe(2, 0.5, 2, False)[0],
+                 flops_fn=_moe(2, 0.5, 2, False)[1], derived=_moe_stage2_derived, m_of=lambda d: int(d["MO"]), loop_dim="I", loops=2),
+    ProblemModel("moe_stage2_w4a16", ("E", "H", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(2, 0.5, 2, True)[0],
+                 flops_fn=_moe(2, 0.5, 2, True)[1], derived=_moe_stage2_derived, m_of=lambda d: int(d["MO"]), loop_dim="I"),
+    ProblemModel("moe_stage2_bf16", ("E", "H", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(2, 2, 2, False)[0],
+                 flops_fn=_moe(2, 2, 2, False)[1], derived=_moe_stage2_derived, m_of=lambda d: int(d["MO"]), loop_dim="I"),
+    ProblemModel("moe_gate_gemm", ("E", "H"), peak_dtype="bf16", derived=_moe_gate_derived,
+                 bytes_fn=lambda p, m: (p["E"] * p["H"] + m * p["H"]) * 2 + _moe_gate_derived(p, m, {})["SPLIT"] * m * p["E"] * 4,
+                 flops_fn=lambda p, m: 2.0 * m * p["E"] * p["H"], loop_dim="HS", loop_block="BLOCK_H"),
+    # two passes over the row: absmax, then quantize
+    ProblemModel("quant_per_token*", ("K",), peak_dtype="f32", bytes_fn=_quant_bytes, flops_fn=_quant_flops,
+                 loops=2),
+]
+
+
+# ---- attention decode over a paged KV cache: keyed on the head shapes and q_len; M = batch x q_len
+
+
+def _ctx(p: Problem) -> int:
+    return int(p.get("CTX", NOMINAL_CTX))
+
+
+def _batch(p: Problem, m: int) -> int:
+    """Sequences in a launch of M = batch x q_len rows."""
+    return max(1, math.ceil(m / p["QL"]))
+
+
+def _mla_kv_bytes(p: Problem, m: int) -> float:
+    """The latent cache read once: every cached token's DL + DR bf16 values, per sequence."""
+    return _batch(p, m) * _ctx(p) * (p["DL"] + p["DR"]) * 2 if m else 0.0
+
+
+def _mla_bytes(p: Problem, m: int) -> float:
+    """KV read + q read + bf16 output + block table. The split partials (f32, S per row, written
+    here and read back by the combine) are the split's own overhead, not part of the floor."""
+    b = _batch(p, m) if m else 0
+    rows = b * p["QL"] * p["H"]
+    return _mla_kv_bytes(p, m) + rows * (p["DL"] + p["DR"]) * 2 + rows * p["DL"] * 2 + b * math.ceil(_ctx(p) / p["PS"]) * 4
+
+
+def _mla_flops(p: Problem, m: int) -> float:
+    """QK^T over DL + DR and PV over DL for every (row, head, cached token)."""
+    return 2.0 * _batch(p, m) * p["QL"] * p["H"] * _ctx(p) * (2 * p["DL"] + p["DR"])
+
+
+def _paged_dims(p: Problem, m: int) -> Problem:
+    b = _batch(p, m)
+    mp = math.ceil(_ctx(p) / p["PS"])
+    return {"B": b, "MP": mp, "NP": b * mp}
+
+
+def _mla_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    return {**_paged_dims(p, m), "QH": p["QL"] * p["H"], "DQ": p["DL"] + p["DR"]}
+
+
+def _split_chunk(ctx: int, s: int, bn: int) -> int:
+    """Tokens one split walks: the kernels cut each length into S chunks rounded up to BLOCK_N."""
+    return math.ceil(math.ceil(ctx / s) / bn) * bn
+
+
+def _mla_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
+    """The split count `ops.mla.mla_decode` launches with (same call), and the tokens per split."""
+    bm, bn = int(c.get("BLOCK_M", 16)), int(c.get("BLOCK_N", 32))
+    s = num_splits([_ctx(d)] * d["B"], d["QL"], d["H"], bm, cu_count=target.cu_count, block_n=bn)
+    return {"S": s, "CHUNK": _split_chunk(_ctx(d), s, bn)}
+
+
+def _split_partials(p: Problem, m: int, d: Problem) -> float:
+    """f32 partial outputs + log-sum-exp of every split, written by the split kernel (the combine
+    reads them back: its own bytes)."""
+    rows = _batch(p, m) * p["QL"] * p["H"]
+    return rows * int(d.get("S", 1)) * (p["DL"] + 1) * 4.0
+
+
+def _combine_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    return {"B": _batch(p, m), "QH": p["QL"] * p["H"]}
+
+
+def _combine_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
+    """The split count of the split kernel it follows, unless the problem names one: the MLA
+    split kernel's default tiles (BLOCK_M 16, BLOCK_N 64) at the problem's context."""
+    if "S" in d:
+        return {}
+    return {"S": num_splits([_ctx(d)] * d["B"], d["QL"], d["H"], 16, cu_count=target.cu_count, block_n=64)}
+
+
+def _batch_rows(d: Problem) -> int:
+    return int(d.get("B", 1)) * int(d.get("QL", 1))
+
+
+def _mha_kv_bytes(p: Problem, m: int) -> float:
+    """K and V read once: KVH heads x D bf16 values each, per cached token and sequence."""
+    return _batch(p, m) * _ctx(p) * p["KVH"] * p["D"] * 2 * 2 if m else 0.0
+
+
+def _mha_bytes(p: Problem, m: int) -> float:
+    b = _batch(p, m) if m else 0
+    rows = b * p["QL"] * p["HQ"]
+    return _mha_kv_bytes(p, m) + rows * p["D"] * 2 * 2 + b * math.ceil(_ctx(p) / p["PS"]) * 4
+
+
+def _mha_flops(p: Problem, m: int) -> float:
+    return 2.0 * _batch(p, m) * p["QL"] * p["HQ"] * _ctx(p) * 2 * p["D"]
+
+
+def _mha_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    return {**_paged_dims(p, m), "QG": p["QL"] * (p["HQ"] // p["KVH"])}
+
+
+def _mha_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
+    """The split count `ops.mha.paged_mha_decode` launches with (the same call: per sequence
+    KVH x BLOCK_M-padded rows of its GQA group)."""
+    bm, bn = int(c.get("BLOCK_M", 16)), int(c.get("BLOCK_N", 64))
+    rows = d["KVH"] * math.ceil(d["QG"] / bm) * bm
+    s = num_splits([_ctx(d)] * d["B"], 1, rows, bm, cu_count=target.cu_count, block_n=bn)
+    return {"S": s, "BS": d["B"] * s, "CHUNK": _split_chunk(_ctx(d), s, bn)}
+
+
+MODELS += [
+    ProblemModel("mla_decode_split*", ("QL", "H", "DL", "DR", "PS"), peak_dtype="bf16", bytes_fn=_mla_bytes,
+                 flops_fn=_mla_flops, derived=_mla_derived, launch_dims=_mla_launch, loop_dim="CHUNK",
+                 loop_block="BLOCK_N", reuse_dim="QH", shared_bytes_fn=_mla_kv_bytes, m_block=None,
+                 extra_bytes_fn=_split_partials, m_of=_batch_rows),
+    ProblemModel("mha_decode", ("QL", "HQ", "KVH", "D", "PS"), peak_dtype="bf16", bytes_fn=_mha_bytes,
+                 flops_fn=_mha_flops, derived=_mha_derived, launch_dims=_mha_launch, loop_dim="CHUNK",
+                 loop_block="BLOCK_N", reuse_dim="QG", shared_bytes_fn=_mha_kv_bytes, m_block=None,
+                 m_of=_batch_rows),
+]
+
+
+
+
+# ---- small kernels of the decode step: the op's lookup key, M, and the bytes they move
+
+def _rows(k: str, per_row: Callable[[Problem], float], fixed: Callable[[Problem], float] = lambda p: 0.0
+          ) -> Callable[[Problem, int], float]:
+    def nbytes(p: Problem, m: int) -> float:
+        return m * per_row(p) + fixed(p)
+    return nbytes
+
+
+def _combine_bytes(out_bytes: int) -> Callable[[Problem, int], float]:
+    def nbytes(p: Problem, m: int) -> float:  # the output: the floor of a combine is its write
+        return _batch(p, m) * p["QL"] * p["H"] * p["DL"] * out_bytes
+    return nbytes
+
+
+def _combine_extra(p: Problem, m: int, d: Problem) -> float:
+    s = int(d.get("S", p.get("S", 1)))
+    return _batch(p, m) * p["QL"] * p["H"] * s * (p["DL"] + 1) * 4.0
+
+
+MODELS += [
+    ProblemModel("rmsnorm", ("D",), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
+                 bytes_fn=_rows("D", lambda p: p["D"] * 4, lambda p: p["D"] * 2),
+                 flops_fn=lambda p, m: 4.0 * m * p["D"]),
+    ProblemModel("rmsnorm_add", ("D",), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
+                 bytes_fn=_rows("D", lambda p: p["D"] * 8, lambda p: p["D"] * 2),
+                 flops_fn=lambda p, m: 5.0 * m * p["D"]),
+    ProblemModel("silu_mul", ("I",), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
+                 bytes_fn=_rows("I", lambda p: p["I"] * 6), flops_fn=lambda p, m: 6.0 * m * p["I"]),
+    ProblemModel("rope_*", ("H", "R"), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
+                 derived=lambda p, m, c: {"R2": p["R"] // 2},
+                 bytes_fn=_rows("R", lambda p: p["H"] * p["R"] * 4 + p["R"] * 4),
+                 flops_fn=lambda p, m: 3.0 * m * p["H"] * p["R"]),
+    ProblemModel("moe_route", ("E", "TOPK"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
+                 bytes_fn=_rows("E", lambda p: p.get("SPLIT", 1) * p["E"] * 4 + p["TOPK"] * 8, lambda p: p["E"] * 4),
+                 flops_fn=lambda p, m: 4.0 * m * p["E"]),
+    ProblemModel("moe_align_blocks", ("E", "BM"), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None,
+                 loop_block=None, bytes_fn=lambda p, m: m * 4 + p["E"] * 4 + (-(-m // p["BM"]) + min(p["E"], m)) * 4,
+                 flops_fn=lambda p, m: 0.0),
+    ProblemModel("moe_align_scatter", ("E",), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None,
+                 loop_block=None, bytes_fn=lambda p, m: m * 8 + p["E"] * 4, flops_fn=lambda p, m: 0.0),
+    ProblemModel("moe_sum", ("H", "TOPK"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
+                 bytes_fn=_rows("H", lambda p: p["H"] * 4 * (p["TOPK"] + 1)), flops_fn=lambda p, m: m * p["H"] * p["TOPK"]),
+    ProblemModel("mla_decode_combine", ("QL", "H", "DL"), m_block=None, peak_dtype="f32", loop_dim=None,
+                 loop_block=None, bytes_fn=_combine_bytes(2), extra_bytes_fn=_combine_extra, m_of=_batch_rows,
+                 derived=_combine_derived, launch_dims=_combine_launch),
+    ProblemModel("mla_decode_combine_f32", ("QL", "H", "DL"), m_block=None, peak_dtype="f32", loop_dim=None,
+                 loop_block=None, bytes_fn=_combine_bytes(4), extra_bytes_fn=_combine_extra, m_of=_batch_rows,
+                 derived=_combine_derived, launch_dims=_combine_launch),
+    ProblemModel("mha_decode_combine*", ("QL", "H", "DL"), m_block=None, peak_dtype="f32", loop_dim=None,
+                 loop_block=None, bytes_fn=_combine_bytes(2), extra_bytes_fn=_combine_extra, m_of=_batch_rows,
+                 derived=_combine_derived, launch_dims=_combine_launch),
+]
+
+register(*MODELS)

@@ -1,0 +1,310 @@
+"""The decode step as a unit (bench.step, bench.meta_model) and the cost-model pieces it relies on:
+loop detection, LDS time, overlap by occupancy, split traffic, helper hashes, config lookup order,
+temp-file cleanup, and the autotune CLI's one-line errors."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from autotune import costmodel, store
+from kdsl import aot
+from kdsl.targets import get_target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# An LLVM AMDGPU listing with a persistent tile loop around a K loop; the IR names of both headers
+# take the label line, so the loop notes sit on the line after the label (the case that was missed).
+NESTED_ASM = """
+k:
+\ts_load_dwordx2 s[0:1], s[4:5], 0x0
+.LBB0_1:                                ; %tile.loop
+                                        ; =>This Loop Header: Depth=1
+\tv_mov_b32 v1, 0
+\tglobal_store_dword v0, v1, s[0:1]
+.LBB0_2:                                ; %k.loop
+                                        ;   Parent Loop BB0_1 Depth=1
+                                        ; =>  This Inner Loop Header: Depth=2
+\tds_read_b128 v[4:7], v2
+\tds_write_b8 v3, v9
+\tv_mfma_f32_16x16x32_bf16 a[0:3], v[4:5], v[6:7], a[0:3]
+\tv_mfma_f32_16x16x32_bf16 a[0:3], v[4:5], v[6:7], a[0:3]
+\tv_add_u32 v2, 64, v2
+\ts_cbranch_scc1 .LBB0_2
+.LBB0_3:                                ; %tile.latch
+                                        ;   in Loop: Header=BB0_1 Depth=1
+\tv_add_u32 v0, 4, v0
+\ts_cbranch_scc1 .LBB0_1
+\ts_endpgm
+"""
+
+
+def test_loop_note_on_the_line_after_the_label_nested_loops():
+    blocks = aot._blocks(NESTED_ASM, r"^(\.LBB\S+?):")
+    depth, loop = aot._main_loop_depth(blocks, lambda i: i.startswith("v_mfma"))
+    assert depth == 2
+    assert sum(i.startswith("v_mfma") for i in loop) == 2
+    assert "ds_read_b128" in loop and "global_store_dword" not in loop
+    assert aot.lds_bytes_per_lane("ds_read_b128") == ("read", 16, 16)
+    assert aot.lds_bytes_per_lane("ds_write_b8") == ("write", 1, 4)
+    assert aot.lds_bytes_per_lane("ds_read2_b64") == ("read", 16, 16)
+
+
+@pytest.mark.slow
+@pytest.mark.aot
+def test_gfx950_moe_stage1_w4a16_main_loop_is_found():
+    """The committed gfx950 W4A16 stage-1 config: its K loop has MFMA and LDS work (was 0)."""
+    from autotune.problems import full_dims
+    from ops.moe import moe_stage1_w4a16
+
+    cfg = {"BLOCK_N": 16, "BLOCK_M": 16, "BLOCK_K": 64, "INT4_UNPACK": "bfe", "num_warps": 4, "num_stages": 2}
+    prob = {"E": 384, "K": 7168, "I": 2048, "TOPK": 8}
+    dims = full_dims(moe_stage1_w4a16, prob, 16, cfg, get_target("gfx950"))
+    r = aot.report(moe_stage1_w4a16, "gfx950", cfg, dims)
+    assert r.ok and r.matrix_in_main_loop > 0 and r.valu_in_main_loop > 0
+    assert r.lds_slot_bytes_in_main_loop > 0 and r.main_loop_depth >= 1
+
+
+def _rep(**kw):
+    base = {"ok": True, "matrix_instructions": {"v_mfma_f32_16x16x16_bf16": 8}, "matrix_in_main_loop": 8,
+            "valu_instructions": 100, "valu_in_main_loop": 40, "num_warps": 4, "occupancy": 8, "spills": 0}
+    base.update(kw)
+    return base
+
+
+def test_costmodel_charges_lds_per_cu():
+    t = get_target("gfx942")
+    no = costmodel.predict(_rep(), t, 304, 56, 1e6, 1e6, "bf16")
+    yes = costmodel.predict(_rep(lds_slot_bytes_in_main_loop=18 * 1024 // 64 + 32 * 4), t, 304, 56, 1e6, 1e6, "bf16")
+    assert yes["terms"]["lds_us"] > 0 and no["terms"]["lds_us"] == 0
+    assert yes["predicted_us"] > no["predicted_us"]
+    # the LDS time: bytes per lane x 64 lanes x iterations x waves per CU / 128 B per clock
+    lane = 18 * 1024 // 64 + 32 * 4
+    want = lane * 64 * 56 * 4 / 128 / (t.clock_ghz * 1e3)
+    assert yes["terms"]["lds_us"] == pytest.approx(want, rel=1e-3)
+
+
+def test_costmodel_overlap_only_when_waves_share_a_simd():
+    t = get_target("gfx942")
+    one = costmodel.predict(_rep(), t, 304, 10, 1.0, 1.0, "bf16")  # 1 program of 4 warps per CU: 1 wave/SIMD
+    many = costmodel.predict(_rep(), t, 304 * 4, 10, 1.0, 1.0, "bf16")  # 4 programs per CU
+    assert one["terms"]["waves_sharing_simd"] == 1 and many["terms"]["waves_sharing_simd"] >= 2
+    r = one["terms"]
+    assert r["compute_us"] * t.clock_ghz * 1e3 == pytest.approx(r["matrix_cycles_per_wave"] + r["valu_cycles_per_wave"], rel=1e-3)
+
+
+def test_costmodel_extra_bytes_count_in_time_not_floor():
+    t = get_target("gfx942")
+    a = costmodel.predict(_rep(), t, 304, 1, 5.3e6, 0.0, "bf16")
+    b = costmodel.predict(_rep(), t, 304, 1, 5.3e6, 0.0, "bf16", extra_bytes=5.3e6)
+    assert a["floor_us"] == b["floor_us"] and b["terms"]["memory_us"] == pytest.approx(2 * a["terms"]["memory_us"])
+    assert costmodel.launch_gap_us(t, "graph") < costmodel.launch_gap_us(t, "eager")
+
+
+def test_mla_split_partials_are_extra_traffic():
+    from autotune.problems import extra_bytes, full_dims
+    from ops.mla import mla_decode_split
+
+    p = {"QL": 1, "H": 64, "DL": 512, "DR": 64, "PS": 64}
+    d = full_dims(mla_decode_split, p, 32, {"BLOCK_M": 16, "BLOCK_N": 64}, get_target("gfx942"))
+    assert extra_bytes(mla_decode_split, p, 32, d) == 32 * 64 * d["S"] * 513 * 4
+
+
+def test_problem_models_live_with_the_kernels():
+    code = "import autotune.problems, autotune.store, autotune.search, autotune.costmodel, sys; " \
+           "print([m for m in sys.modules if m == 'ops' or m.startswith('ops.')])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    from autotune.problems import model_for
+
+    assert model_for("moe_stage1_w4a8").key_dims == ("E", "K", "I", "TOPK")
+
+
+def test_helper_hash_covers_helpers_not_just_the_kernel():
+    from ops.moe import moe_stage1_w4a8
+
+    h = store.kernel_helpers(moe_stage1_w4a8)
+    assert any(n.endswith("_w4a8_gate_up") for n in h) and any(n.endswith("_block_rows") for n in h)
+    assert len(store.helpers_hash(moe_stage1_w4a8)) == 16
+
+
+def _doc(arch="gfx942", cu=304, cfg=None, triton_version=None):
+    import triton
+
+    return {"schema_version": 1, "kernel": "gemm_bf16", "arch": arch, "problem": {"N": 64, "K": 64},
+            "target": {"arch": arch, "cu_count": cu, "triton_version": triton_version or triton.__version__},
+            "entries": [{"bucket": 1, "config": cfg or {"BLOCK_N": 16}, "figures": {}}],
+            "provenance": {"kernel_source_hash": "x", "mode": "static"}}
+
+
+def test_lookup_override_dir_then_cu_folder_then_arch(tmp_path, monkeypatch):
+    import kdsl as kd
+    from ops.gemm import gemm_bf16_kernel as K
+
+    root, over = tmp_path / "root", tmp_path / "over"
+    store.save_file(_doc(cfg={"BLOCK_N": 16}), str(root / "gfx942" / store.file_name(K, {"N": 64, "K": 64})))
+    store.save_file(_doc(cu=80, cfg={"BLOCK_N": 32}), str(root / "gfx942" / "cu80" / store.file_name(K, {"N": 64, "K": 64})))
+    store.clear_cache()
+    assert store.lookup_config(K, "gfx942", {"N": 64, "K": 64}, 1, root=str(root))["BLOCK_N"] == 16
+    import dataclasses
+
+    mi308 = dataclasses.replace(get_target("gfx942"), cu_count=80)
+    with kd.recording(mi308):
+        assert store.lookup_config(K, "gfx942", {"N": 64, "K": 64}, 1, root=str(root))["BLOCK_N"] == 32
+    with kd.recording(dataclasses.replace(get_target("gfx942"), cu_count=120)):  # no cu120/: the arch folder
+        assert store.lookup_config(K, "gfx942", {"N": 64, "K": 64}, 1, root=str(root))["BLOCK_N"] == 16
+    store.save_file(_doc(cfg={"BLOCK_N": 64}), str(over / "gfx942" / store.file_name(K, {"N": 64, "K": 64})))
+    monkeypatch.setenv(store.OVERRIDE_ENV, str(over))
+    store.clear_cache()
+    assert store.lookup_config(K, "gfx942", {"N": 64, "K": 64}, 1, root=str(root))["BLOCK_N"] == 64
+    store.clear_cache()
+
+
+def test_lookup_warns_on_another_triton_version(tmp_path):
+    from ops.gemm import gemm_bf16_kernel as K
+
+    store.save_file(_doc(triton_version="2.0.0"), str(tmp_path / "gfx942" / store.file_name(K, {"N": 64, "K": 64})))
+    store.clear_cache()
+    with pytest.warns(UserWarning, match="Triton 2.0.0"):
+        store.lookup_config(K, "gfx942", {"N": 64, "K": 64}, 1, root=str(tmp_path))
+    store.clear_cache()
+
+
+def test_killed_writer_leaves_no_temp_file(tmp_path):
+    from ops.gemm import gemm_bf16_kernel as K
+
+    d = tmp_path / "gfx942"
+    d.mkdir()
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    p.kill()
+    p.wait()
+    dead = d / f".tmp-{p.pid}-abc.json"
+    dead.write_text("{partial")
+    live = d / f".tmp-{os.getpid()}-xyz.json"
+    live.write_text("{")
+    store.save_file(_doc(), str(d / store.file_name(K, {"N": 64, "K": 64})))
+    assert not dead.exists() and live.exists()
+    assert store.iter_files(str(tmp_path)) == [str(d / store.file_name(K, {"N": 64, "K": 64}))]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["tune", "gemm_bf16", "--problem", "N=0,K=64", "--arch", "gfx942", "--out", "OUT"], "N=0"),
+    (["tune", "gemm_bf16", "--problem", "N=-4,K=64", "--arch", "gfx942", "--out", "OUT"], "N=-4"),
+    (["tune", "gemm_bf16", "--problem", "N=64,K=64", "--arch", "gfx942"], "--out"),
+    (["tune", "gemm_bf16", "--problem", "N=64,K=64", "--arch", "gfx942", "--out", "OUT", "--m", "0"], "--m"),
+    (["tune", "gemm_bf16", "--problem", "N=64,Q=64", "--arch", "gfx942", "--out", "OUT"], "Q"),
+    (["tune", "gemm_bf16", "--problem", "N=64,K=64", "--arch", "gfx000", "--out", "OUT"], "--arch"),
+    (["tune", "nope", "--problem", "N=64", "--arch", "gfx942", "--out", "OUT"], "nope"),
+    (["tune", "gemm_bf16", "--problem", "N=64,K=64", "--arch", "gfx942", "--out", "OUT", "--budget-s", "nan"], "--budget-s"),
+    (["show", "/nonexistent.json"], "nonexistent"),
+    (["check", "/nonexistent-dir"], "nonexistent"),
+    (["frobnicate"], "frobnicate"),
+    (["tune-model", "--config", "/nonexistent.json", "--arch", "gfx942", "--dry-run"], "--config"),
+    (["tune-model", "--config", "kimi-k2.5", "--arch", "gfx942", "--tp", "0", "--dry-run"], "--tp"),
+])
+def test_autotune_cli_bad_input_is_one_line_exit_2(argv, needle, tmp_path, capsys):
+    from autotune.__main__ import main
+
+    argv = [str(tmp_path / "o") if a == "OUT" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and needle in err and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "o" / "gfx942")
+
+
+@pytest.mark.aot
+def test_tune_writes_only_where_asked(tmp_path, capsys):
+    from autotune.__main__ import main
+
+    before = set(store.iter_files())
+    assert main(["tune", "rmsnorm", "--problem", "D=512", "--arch", "gfx942", "--m", "1", "--max-candidates", "2",
+                 "--workers", "1", "--quiet", "--out", str(tmp_path)]) == 0
+    assert os.path.exists(tmp_path / "gfx942" / "rmsnorm__D512.json")
+    assert set(store.iter_files()) == before
+    assert "M<=1: config=" in capsys.readouterr().out
+
+
+# ---- the step recorded from the real forward on meta tensors
+
+def test_meta_forward_records_the_step():
+    from bench.meta_model import HostShadowMode, build_model
+    from bench.step import launch_layers, load_model_config, record_step
+
+    cfg = load_model_config("kimi-k2.5", layers=2)
+    assert cfg.num_hidden_layers == 2 and cfg.hidden_size == 7168
+    mode = HostShadowMode()
+    model = build_model(cfg, "w4a8", mode)
+    rec = record_step(cfg, "w4a8", "gfx942", 1, 8192, 1, model, mode)
+    names = [r.kernel.name for r in rec.launches]
+    assert names.count("mla_decode_split") == 2 and names.count("moe_stage1_w4a8") == 1
+    assert names[-1] == "gemm_bf16" and rec.launches[-1].dims["N"] == 163840  # lm_head
+    mla = next(r for r in rec.launches if r.kernel.name == "mla_decode_split")
+    assert mla.dims["B"] == 1 and mla.dims["QL"] == 1 and mla.dims["MP"] >= 8192 // 64
+    assert len(rec.mode.ops) > 0 and rec.mode.device_reads == []
+    layers = launch_layers(rec)
+    assert layers[0] == 0 and layers[-1] is None and 1 in layers
+    assert any(e["hit"] for e in rec.lookups)
+    assert model.embed.device.type == "meta" and model.lm_head.dense.device.type == "meta"  # no weight memory
+
+
+def test_per_gpu_shapes_for_tp():
+    from bench.step import load_model_config
+
+    c = load_model_config("kimi-k2.5", tp=8)
+    assert (c.num_attention_heads, c.moe_intermediate_size, c.intermediate_size, c.vocab_size) == (8, 256, 2304, 20480)
+    e = load_model_config("kimi-k2.5", tp=8, moe_parallel="ep")
+    assert e.n_routed_experts == 48 and e.moe_intermediate_size == 2048
+    with pytest.raises(ValueError, match="--tp 5"):
+        load_model_config("kimi-k2.5", tp=5)
+
+
+def test_bench_step_cli_bad_input(capsys):
+    from bench.step import main
+
+    for argv in (["--batch", "0"], ["--arch", "gfx1"], ["--experts", "fp4"], ["--q-lens", "x"], ["--config", "/nope.json"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("bench.step:")
+
+
+def test_bench_step_json_and_plot(monkeypatch, capsys, tmp_path):
+    """The whole CLI on a 2-layer record, with AOT reports stubbed (the compile is covered above)."""
+    import bench.step as st
+
+    fake = {"ok": True, "matrix_instructions": {"v_mfma_f32_16x16x16_bf16": 4}, "matrix_in_main_loop": 4,
+            "valu_instructions": 50, "valu_in_main_loop": 10, "num_warps": 4, "occupancy": 4, "spills": 0,
+            "lds_slot_bytes_in_main_loop": 64}
+    monkeypatch.setattr(st, "compile_reports",
+                        lambda launches, arch, workers=None, log=None: {st._report_key(r, arch): fake for r in launches})
+    png = tmp_path / "step.png"
+    argv = ["--layers", "2", "--arch", "gfx942", "--experts", "w4a8", "--q-lens", "1,4", "--json", "--no-measure"]
+    try:
+        import matplotlib  # noqa: F401
+        argv += ["--plot", str(png)]
+    except ImportError:
+        pass
+    assert st.main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["layers"] == 61 and doc["layers_recorded"] == 2 and doc["assumptions"]["launch_gap_us"]
+    d1, d4 = doc["steps"]
+    assert (d1["q_len"], d4["q_len"]) == (1, 4)
+    for s in (d1, d4):
+        assert s["kdsl_launches"] > 61 * 10 and s["torch_launches"] > 0
+        assert s["predicted_us"] > s["floor_us"] > 0 and s["gaps_us"] == pytest.approx(2.0 * s["launches"], rel=0.02)
+        assert s["launches_per_layer"]["moe"]["kdsl"] >= 15 and len(s["top"]) == 10
+        assert all(f["why"] in ("fallback", "no lookup") for f in s["fallbacks"])
+        assert {"moe_align_blocks", "moe_align_scatter"} <= {f["name"] for f in s["fallbacks"]}
+    if "--plot" in argv:
+        assert png.stat().st_size > 10000
+
+
+def test_tune_model_dry_run_lists_the_step_problems(capsys):
+    from autotune.__main__ import main
+
+    assert main(["tune-model", "--config", "kimi-k2.5", "--arch", "gfx942", "--dry-run", "--q-lens", "1"]) == 0
+    out = capsys.readouterr().out
+    for want in ("gemm_bf16 N=2048,K=7168", "mla_decode_split QL=1,H=64,DL=512,DR=64,PS=64",
+                 "moe_stage1_w4a8 E=384,K=7168,I=2048,TOPK=8", "rmsnorm D=7168", "gemm_bf16 N=163840,K=7168"):
+        assert want in out
+    assert "moe_align_blocks" not in out  # its op looks up no config: nothing would read a file
