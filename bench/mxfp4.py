@@ -18,7 +18,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from autotune.problems import experts_touched
+from ops.problems import experts_touched
 
 from .report import write_json
 

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 import torch
 
 import kdsl as kd
-import autotune.problems_mxfp4  # noqa: F401  (registers the MXFP4 problem models)
 from ops._common import config_for
 from ops.moe import (KIMI, N_BLOCKS, MoEConfig, _block_rows, _check_backend, _s1_grid, _s2_epilogue, _s2_grid,
                      moe_align, moe_sum, route, shared_expert_ref)

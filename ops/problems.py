@@ -301,3 +301,5 @@ MODELS += [
 ]
 
 register(*MODELS)
+
+from ops import problems_mxfp4  # noqa: E402,F401  (registers the MXFP4 kernels' models)

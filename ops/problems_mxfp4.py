@@ -1,4 +1,5 @@
-"""Problem models of the MXFP4 kernels (ops.mxfp4), registered into `autotune.problems.MODELS` on import.
+"""Problem models of the MXFP4 kernels (ops.mxfp4), registered with `autotune.problems.register` when
+ops.problems is imported (autotune does that on first use).
 
 MXFP4 bytes per element: 0.5 (two E2M1 codes per byte) + 1/32 (one E8M0 byte per 32 values).
 The fused-MoE stages share ops.moe's keys and derived block dims (E, K|H, I, TOPK; blocks from M),
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .problems import MODELS, Problem, ProblemModel, _moe_stage1_derived, _moe_stage2_derived, experts_touched
+from autotune.problems import Problem, ProblemModel, register
+from ops.problems import _moe_stage1_derived, _moe_stage2_derived, experts_touched
 
 MX_BYTES = 0.5 + 1.0 / 32.0  # per value: the fp4 code and its share of the E8M0 scale
 ACT_BYTES = {"mxfp4": MX_BYTES, "fp8": 1.0, "bf16a": 2.0}
@@ -68,5 +70,4 @@ MX_MODELS += [
                  derived=lambda p, m, c: {"KH": p["K"] // 2, "KG": p["K"] // 32}),
 ]
 
-if not any(pm.pattern == "moe_stage1_mxfp4" for pm in MODELS):
-    MODELS[:0] = MX_MODELS  # ahead of any generic pattern
+register(*MX_MODELS)
