@@ -14,7 +14,7 @@ import math
 from typing import Any, Callable
 
 from autotune.problems import NOMINAL_CTX, Problem, ProblemModel, register
-from ops.mla import num_splits
+from ops.mla import MAX_Q_LEN, MAX_SPLITS, launch_split_count
 from ops.moe import route_split
 
 def _gemm(wb: float, ab: float, peak: str, group: int = 0) -> tuple[Callable, Callable]:
@@ -169,16 +169,21 @@ def _mla_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
     return {**_paged_dims(p, m), "QH": p["QL"] * p["H"], "DQ": p["DL"] + p["DR"]}
 
 
-def _split_chunk(ctx: int, s: int, bn: int) -> int:
-    """Tokens one split walks: the kernels cut each length into S chunks rounded up to BLOCK_N."""
+def _split_chunk(ctx: int, s: int, bn: int, split_tokens: int = 0) -> int:
+    """Tokens one split walks (ops.mla.split_range): batch-invariant (SPLIT_TOKENS > 0) chunks of
+    SPLIT_TOKENS, or of the context over MAX_SPLITS rounded up to BLOCK_N when that is longer; with
+    SPLIT_TOKENS 0 the length cut into S chunks rounded up to BLOCK_N."""
+    if split_tokens:
+        return max(split_tokens, math.ceil(math.ceil((ctx + MAX_Q_LEN - 1) / MAX_SPLITS) / bn) * bn)
     return math.ceil(math.ceil(ctx / s) / bn) * bn
 
 
 def _mla_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
     """The split count `ops.mla.mla_decode` launches with (same call), and the tokens per split."""
     bm, bn = int(c.get("BLOCK_M", 16)), int(c.get("BLOCK_N", 32))
-    s = num_splits([_ctx(d)] * d["B"], d["QL"], d["H"], bm, cu_count=target.cu_count, block_n=bn)
-    return {"S": s, "CHUNK": _split_chunk(_ctx(d), s, bn)}
+    st = int(c.get("SPLIT_TOKENS", 256))
+    s = launch_split_count(_ctx(d), d["B"], d["QL"] * d["H"], bm, bn, st, target.cu_count)
+    return {"S": s, "CHUNK": _split_chunk(_ctx(d), s, bn, st)}
 
 
 def _split_partials(p: Problem, m: int, d: Problem) -> float:
@@ -197,7 +202,7 @@ def _combine_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Probl
     split kernel's default tiles (BLOCK_M 16, BLOCK_N 64) at the problem's context."""
     if "S" in d:
         return {}
-    return {"S": num_splits([_ctx(d)] * d["B"], d["QL"], d["H"], 16, cu_count=target.cu_count, block_n=64)}
+    return {"S": launch_split_count(_ctx(d), d["B"], d["QL"] * d["H"], 16, 32, 256, target.cu_count)}
 
 
 def _batch_rows(d: Problem) -> int:
@@ -226,10 +231,11 @@ def _mha_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
 def _mha_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
     """The split count `ops.mha.paged_mha_decode` launches with (the same call: per sequence
     KVH x BLOCK_M-padded rows of its GQA group)."""
-    bm, bn = int(c.get("BLOCK_M", 16)), int(c.get("BLOCK_N", 64))
+    bm, bn = int(c.get("BLOCK_M", 16)), int(c.get("BLOCK_N", 32))
+    st = int(c.get("SPLIT_TOKENS", 256))
     rows = d["KVH"] * math.ceil(d["QG"] / bm) * bm
-    s = num_splits([_ctx(d)] * d["B"], 1, rows, bm, cu_count=target.cu_count, block_n=bn)
-    return {"S": s, "BS": d["B"] * s, "CHUNK": _split_chunk(_ctx(d), s, bn)}
+    s = launch_split_count(_ctx(d), d["B"], rows, bm, bn, st, target.cu_count)
+    return {"S": s, "BS": d["B"] * s, "CHUNK": _split_chunk(_ctx(d), s, bn, st)}
 
 
 MODELS += [

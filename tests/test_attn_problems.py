@@ -35,21 +35,35 @@ def test_key_has_q_len_and_heads_not_batch_table_or_context(kern, prob, key) -> 
 @pytest.mark.parametrize("ql, m", [(1, 1), (1, 64), (4, 4), (4, 256)])
 def test_mla_launch_dims_match_the_op(arch: str, ql: int, m: int) -> None:
     t = get_target(arch)
+    b = m // ql
+    # batch-invariant (the default, SPLIT_TOKENS 256): fixed chunks of the context, whatever B and q_len
     cfg = {"BLOCK_M": 32, "BLOCK_N": 64}
     d = P.full_dims(mla.mla_decode_split, {**KIMI_MLA, "QL": ql}, m, cfg, t)
-    b = m // ql
     assert (d["B"], d["QH"], d["DQ"], d["MP"]) == (b, 64 * ql, 576, P.NOMINAL_CTX // 64)
+    assert d["S"] == mla.launch_split_count(P.NOMINAL_CTX, b, ql * 64, 32, 64, 256, t.cu_count)
+    assert d["S"] == mla.invariant_splits(P.NOMINAL_CTX, 256) == P.NOMINAL_CTX // 256
+    # ops.mla.split_range: SPLIT_TOKENS, or (context + MAX_Q_LEN - 1) / MAX_SPLITS rounded up to
+    # BLOCK_N when that is longer (8199 / 32 -> 257 -> 320 at ctx 8192)
+    chunk = max(256, math.ceil(math.ceil((P.NOMINAL_CTX + mla.MAX_Q_LEN - 1) / mla.MAX_SPLITS) / 64) * 64)
+    assert d["CHUNK"] == chunk == 320
+    assert P.loop_iters(mla.mla_decode_split, d, cfg) == chunk // 64
+    # SPLIT_TOKENS 0: the CU-derived split count; each split walks cdiv(ctx, S) rounded up to BLOCK_N
+    cfg0 = {**cfg, "SPLIT_TOKENS": 0}
+    d = P.full_dims(mla.mla_decode_split, {**KIMI_MLA, "QL": ql}, m, cfg0, t)
     want = mla.num_splits([P.NOMINAL_CTX] * b, ql, 64, 32, cu_count=t.cu_count, block_n=64)
     assert d["S"] == want
-    # each split walks cdiv(ctx, S) tokens rounded up to BLOCK_N, like the kernel
     assert d["CHUNK"] == math.ceil(math.ceil(P.NOMINAL_CTX / want) / 64) * 64
-    assert P.loop_iters(mla.mla_decode_split, d, cfg) == d["CHUNK"] // 64
+    assert P.loop_iters(mla.mla_decode_split, d, cfg0) == d["CHUNK"] // 64
 
 
 def test_mha_launch_dims_match_the_op() -> None:
     t = get_target("gfx942")
     d = P.full_dims(mha.mha_decode, {**DRAFT_MHA, "QL": 4, "KVH": 16}, 8, {"BLOCK_M": 16, "BLOCK_N": 64}, t)
     assert (d["B"], d["QG"]) == (2, 16)
+    assert d["S"] == mla.invariant_splits(P.NOMINAL_CTX, 256)
+    assert d["BS"] == 2 * d["S"]
+    d = P.full_dims(mha.mha_decode, {**DRAFT_MHA, "QL": 4, "KVH": 16}, 8,
+                    {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_TOKENS": 0}, t)
     rows = 16 * 16  # KVH x cdiv(QG, BLOCK_M) x BLOCK_M, as paged_mha_decode passes it
     assert d["S"] == mla.num_splits([P.NOMINAL_CTX] * 2, 1, rows, 16, cu_count=304, block_n=64)
     assert d["BS"] == 2 * d["S"]
