@@ -35,8 +35,10 @@ def act_dtype(backend: str, dtype: torch.dtype) -> torch.dtype:
 class Linear:
     """y = x @ W^T for W dense or a QuantLinear, dispatched per format and backend."""
 
-    def __init__(self, name: str, w: Weight, backend: str = "torch", dtype: torch.dtype = torch.float32):
+    def __init__(self, name: str, w: Weight, backend: str = "torch", dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
         self.name, self.backend, self.dtype = name, check_backend(backend), dtype
+        self.device = torch.device(device)
         self.raw = w
         if isinstance(w, QuantLinear):
             self.out_features, self.in_features = w.shape
@@ -45,10 +47,16 @@ class Linear:
                 raise ValueError(f"{name}: a linear weight must be 2-D, got {tuple(w.shape)}")
             self.out_features, self.in_features = w.shape
         self.dense: Optional[torch.Tensor] = None
+        self.packed: Optional[torch.Tensor] = None
+        self.scale: Optional[torch.Tensor] = None
         if backend == "torch":
-            self.dense = dequantize(w, torch.float32).to(dtype)
+            self.dense = dequantize(w, torch.float32).to(dtype).to(self.device)
         elif not isinstance(w, QuantLinear):
-            self.dense = w.to(torch.bfloat16).contiguous()
+            self.dense = w.to(torch.bfloat16).contiguous().to(self.device)
+        else:                                  # kernel operands on the device, scales in the dtype each GEMM reads
+            self.packed = w.packed.to(self.device)
+            sdt = torch.bfloat16 if (w.kind == "int4" and w.group == 32) else torch.float32
+            self.scale = w.scale.to(sdt).to(self.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -65,24 +73,25 @@ class Linear:
         from ops import gemm
 
         if x.shape[0] == 0:
-            return torch.zeros(0, self.out_features, dtype=torch.bfloat16)
+            return torch.zeros(0, self.out_features, dtype=torch.bfloat16, device=x.device)
         w = self.raw
         if not isinstance(w, QuantLinear):
             return gemm.gemm_bf16(x, self.dense, backend="triton")
         if w.kind == "int4" and w.pack == "ct" and w.group == 32:
-            return gemm.linear_w4a16(x, w.packed, w.scale.to(torch.bfloat16), backend="triton")
+            return gemm.linear_w4a16(x, self.packed, self.scale, backend="triton")
         if w.kind == "int4" and w.group == 0 and w.pack in ("quark_reorder", "quark_order"):
-            return gemm.linear_w4a8(x, w.packed, w.scale.float(), pack=w.pack, backend="triton")
+            return gemm.linear_w4a8(x, self.packed, self.scale, pack=w.pack, backend="triton")
         if w.kind == "fp8":
-            return gemm.linear_fp8(x, w.packed, w.scale.float(), backend="triton")
+            return gemm.linear_fp8(x, self.packed, self.scale, backend="triton")
         raise NotImplementedError(f"{self.name}: no triton linear for {w.kind}/{w.pack}/group {w.group} "
                                   f"({w.source}) yet")
 
 
 class RMSNorm:
-    def __init__(self, w: torch.Tensor, eps: float, backend: str = "torch", dtype: torch.dtype = torch.float32):
+    def __init__(self, w: torch.Tensor, eps: float, backend: str = "torch", dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
         self.backend, self.eps = check_backend(backend), float(eps)
-        self.w = w.to(torch.float32 if backend == "torch" else torch.bfloat16)
+        self.w = w.to(torch.float32 if backend == "torch" else torch.bfloat16).to(device)
         self.dtype = dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
