@@ -30,6 +30,28 @@ class CacheError(RuntimeError):
     """The cache is full, or a sequence slot / length is out of range."""
 
 
+class _Lengths:
+    """Read-only view of PageTable.lens: lengths[b] reads one element, iteration reads them all once."""
+
+    def __init__(self, lens: torch.Tensor):
+        self._lens = lens
+
+    def __getitem__(self, b: int) -> int:
+        return int(self._lens[b])
+
+    def __len__(self) -> int:
+        return self._lens.shape[0]
+
+    def __iter__(self):
+        return iter([int(x) for x in self._lens.tolist()])
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, tuple, _Lengths)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 class PageTable:
     """Block tables and lengths for `batch` sequence slots over `num_pages` pages of `page_size`.
 
@@ -57,9 +79,10 @@ class PageTable:
             raise CacheError(f"sequence slot {b} out of range [0, {self.batch})")
 
     @property
-    def lengths(self) -> list[int]:
-        """Host copy of the visible lengths (a device read: not for the decode step)."""
-        return [int(x) for x in self.lens.tolist()]
+    def lengths(self) -> "_Lengths":
+        """The visible lengths as a read-only host sequence (each access is a device read: not for the
+        decode step); `list(table.lengths)` copies them all at once."""
+        return _Lengths(self.lens)
 
     def reserve(self, b: int, new_len: int) -> None:
         """Make sure slot b has pages for `new_len` tokens (pages are taken from the free list)."""
@@ -90,13 +113,14 @@ class PageTable:
         pg = torch.tensor(self.pages[b], dtype=torch.long)[pos // self.page_size]
         return (pg * self.page_size + pos % self.page_size).to(self.device)
 
-    def append(self, b: int, n: int) -> tuple[int, torch.Tensor]:
-        """Claim the next n rows of slot b: returns (start position, slots); length grows by n."""
+    def append(self, b: int, n: int) -> int:
+        """Claim the next n rows of slot b (reserving pages): returns the start position; length grows by n
+        (their slots: `slots(b, start, n)`)."""
         self._check(b)
         start = int(self.lens[b])
-        s = self.slots(b, start, n)
+        self.reserve(b, start + n)
         self.lens[b] = start + n
-        return start, s
+        return start
 
     def truncate(self, b: int, length: int) -> None:
         """Make rows >= length invisible (rejected drafts); pages beyond it are returned to the free list."""
