@@ -30,7 +30,7 @@ import torch
 from models.config import DeepseekV3Config
 from models.formats import QuantLinear, dequantize
 from models.kv_cache import LatentCache
-from models.layers import MLP, Linear, RMSNorm, act_dtype, check_backend
+from models.layers import MLP, Linear, RMSNorm, act_dtype, check_backend, concat_weights
 from models.loader import Checkpoint, stack_experts
 from models.step import RopeTable, StepCtx, advance, make_ctx, paged_rows, visibility
 
@@ -208,18 +208,27 @@ class _MLA:
         p = prefix if prefix is not None else f"model.layers.{i}.self_attn."
         self.cfg, self.backend, self.dtype = cfg, backend, dtype
         L = lambda n: Linear(p + n, ck[p + n + ".weight"], backend, dtype, device)  # noqa: E731
+        self.qkv_a: Optional[Linear] = None          # q_a and kv_a as one GEMM (both read x)
         if cfg.q_lora_rank:
-            self.q_a, self.q_b = L("q_a_proj"), L("q_b_proj")
+            self.q_b = L("q_b_proj")
             self.q_norm = RMSNorm(ck[p + "q_a_layernorm.weight"], cfg.rms_norm_eps, backend, dtype, device)
+            both = concat_weights([ck[p + "q_a_proj.weight"], ck[p + "kv_a_proj_with_mqa.weight"]])
+            if both is not None:
+                self.qkv_a = Linear(p + "q_a_proj|kv_a_proj_with_mqa", both, backend, dtype, device)
+            else:
+                self.q_a = L("q_a_proj")
         else:
             self.q_proj = L("q_proj")
-        self.kv_a = L("kv_a_proj_with_mqa")
+        if self.qkv_a is None:
+            self.kv_a = L("kv_a_proj_with_mqa")
         self.kv_norm = RMSNorm(ck[p + "kv_a_layernorm.weight"], cfg.rms_norm_eps, backend, dtype, device)
         self.o_proj = L("o_proj")
         H, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
         kvb = _dense(ck[p + "kv_b_proj.weight"]).view(H, nope + v, cfg.kv_lora_rank)
-        self.w_uk = kvb[:, :nope].to(act_dtype(backend, dtype)).to(device)      # [H, nope, C]
-        self.w_uv = kvb[:, nope:].to(act_dtype(backend, dtype)).to(device)      # [H, v, C]
+        # absorbed W_UK / W_UV, prepared once in the activation dtype in the layouts the batched GEMMs read
+        adt = act_dtype(backend, dtype)
+        self.w_uk = kvb[:, :nope].to(adt).contiguous().to(device)                  # [H, nope, C]
+        self.w_uv_t = kvb[:, nope:].transpose(1, 2).to(adt).contiguous().to(device)  # [H, C, v]
         self.scale = cfg.softmax_scale
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache, layer: int,
@@ -229,9 +238,14 @@ class _MLA:
         c = self.cfg
         T = x.shape[0]
         H, nope, r, C = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
-        q = self.q_b(self.q_norm(self.q_a(x))) if c.q_lora_rank else self.q_proj(x)
+        if self.qkv_a is not None:
+            qkv = self.qkv_a(x)
+            q = self.q_b(self.q_norm(qkv[:, :c.q_lora_rank].contiguous()))
+            kv = qkv[:, c.q_lora_rank:]
+        else:
+            q = self.q_b(self.q_norm(self.q_a(x))) if c.q_lora_rank else self.q_proj(x)
+            kv = self.kv_a(x)
         q = q.view(T, H, nope + r)
-        kv = self.kv_a(x)
         lat = self.kv_norm(kv[:, :C].contiguous())
         k_pe = kv[:, C:].reshape(T, 1, r)
         if self.backend == "torch":
@@ -240,12 +254,13 @@ class _MLA:
         else:
             q_pe = apply_rope(q[..., nope:].contiguous(), cos, sin, "interleaved", backend="triton")
             k_pe = apply_rope(k_pe.contiguous(), cos, sin, "interleaved", backend="triton")
-        q_lat = torch.einsum("thn,hnc->thc", q[..., :nope].float(), self.w_uk.float()).to(q.dtype)
-        qf = torch.cat([q_lat, q_pe.to(q.dtype)], -1)                  # [T, H, C + r]
-        new = torch.cat([lat, k_pe.reshape(T, r).to(lat.dtype)], -1)     # [T, C + r]
-        out = self._attend(qf, new, cache.kv[layer], ctx)               # [T, H, C]
-        o = torch.einsum("thc,hvc->thv", out.float(), self.w_uv.float()).to(qf.dtype)
-        return self.o_proj(o.reshape(T, H * c.v_head_dim))
+        adt = self.w_uk.dtype
+        q_lat = torch.bmm(q[..., :nope].to(adt).transpose(0, 1), self.w_uk)          # [H, T, C]
+        qf = torch.cat([q_lat.transpose(0, 1), q_pe.to(adt)], -1)                   # [T, H, C + r]
+        new = torch.cat([lat, k_pe.reshape(T, r).to(lat.dtype)], -1)                # [T, C + r]
+        out = self._attend(qf, new, cache.kv[layer], ctx)                           # [T, H, C]
+        o = torch.bmm(out.to(adt).transpose(0, 1), self.w_uv_t)                     # [H, T, v]
+        return self.o_proj(o.transpose(0, 1).reshape(T, H * c.v_head_dim))
 
     def _attend(self, q: torch.Tensor, new: torch.Tensor, kvl: torch.Tensor, ctx: StepCtx) -> torch.Tensor:
         """Append the new latent rows at ctx.slots, then attend: one batched launch for all B sequences."""
@@ -272,7 +287,7 @@ class _MLA:
             tree = ctx.window.to(torch.int8)
         append_latent(kvl, new.to(kvl.dtype).contiguous(), ctx.slots)
         o = mla_decode(q.to(torch.bfloat16).view(B, QL, H, -1).contiguous(), kvl, ctx.bt, ctx.seq_lens, self.scale,
-                       latent_dim=C, tree_mask=tree, splits=attn_splits(ctx.capacity, H), out_dtype=torch.float32,
+                       latent_dim=C, tree_mask=tree, splits=attn_splits(ctx.capacity, H), out_dtype=torch.bfloat16,
                        backend="triton")
         return o.reshape(B * QL, H, C).to(q.dtype)
 
@@ -350,15 +365,17 @@ class KimiModel:
         h = self.embed[tokens.reshape(-1)]
         N = self.cfg.num_hidden_layers
         caps: dict[int, torch.Tensor] = {}
+        x = self.layers[0][0](h) if N else self.norm(h)
         for i, (n1, attn, n2, mlp) in enumerate(self.layers):
             if i in self.capture_ids:
-                caps[i] = h
-            h = (h + attn(n1(h), cos, sin, cache, i, ctx).to(h.dtype))
-            h = (h + mlp(n2(h)).to(h.dtype))
+                caps[i] = h                                   # the residual stream entering layer i
+            x, h = n2.add_norm(attn(x, cos, sin, cache, i, ctx), h)       # residual add fused into the norm
+            nxt = self.layers[i + 1][0] if i + 1 < N else self.norm
+            x, h = nxt.add_norm(mlp(x), h)
         if N in self.capture_ids:
             caps[N] = h
         advance(cache.table, ctx)
-        logits = self.lm_head(self.norm(h)).float().view(B, QL, -1)
+        logits = self.lm_head(x).float().view(B, QL, -1)
         aux = torch.cat([caps[i] for i in self.capture_ids], -1).view(B, QL, -1) if self.capture_ids else None
         return StepOutput(logits, aux, h)
 

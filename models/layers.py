@@ -16,7 +16,7 @@ import torch
 
 from models.formats import QuantLinear, Weight, dequantize
 
-__all__ = ["BACKENDS", "check_backend", "Linear", "RMSNorm", "MLP", "act_dtype"]
+__all__ = ["BACKENDS", "check_backend", "Linear", "RMSNorm", "MLP", "act_dtype", "concat_weights"]
 
 BACKENDS = ("torch", "triton")
 
@@ -87,6 +87,23 @@ class Linear:
                                   f"({w.source}) yet")
 
 
+def concat_weights(ws: list[Weight]) -> Optional[Weight]:
+    """Stack linear weights along N (one GEMM for projections that read the same input), or None when
+    their formats differ (then they stay separate GEMMs)."""
+    if all(not isinstance(w, QuantLinear) for w in ws):
+        return torch.cat([w for w in ws], 0)
+    if not all(isinstance(w, QuantLinear) for w in ws):
+        return None
+    a = ws[0]
+    if any((w.kind, w.pack, w.group, w.source, w.shape[1], w.scale.dtype) !=
+           (a.kind, a.pack, a.group, a.source, a.shape[1], a.scale.dtype) or w.input_scale is not None for w in ws):
+        return None
+    from dataclasses import replace
+
+    return replace(a, packed=torch.cat([w.packed for w in ws], 0), scale=torch.cat([w.scale for w in ws], 0),
+                   shape=(sum(w.shape[0] for w in ws), a.shape[1]))
+
+
 class RMSNorm:
     def __init__(self, w: torch.Tensor, eps: float, backend: str = "torch", dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
@@ -105,6 +122,19 @@ class RMSNorm:
         if xb.numel() == 0:
             return xb
         return rms_norm(xb.contiguous(), self.w, self.eps, backend="triton")
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add fused into the norm on triton
+        (ops.norm.rms_norm with `residual`, the rmsnorm_add kernel); the sum is rounded to the
+        residual's dtype either way."""
+        if self.backend == "torch" or x.numel() == 0:
+            r = residual + x.to(residual.dtype)
+            return self(r), r
+        from ops.norm import rms_norm
+
+        y, r = rms_norm(x.to(torch.bfloat16).contiguous(), self.w, self.eps,
+                        residual=residual.to(torch.bfloat16).contiguous(), backend="triton")
+        return y, r
 
 
 class MLP:
