@@ -138,17 +138,28 @@ class RMSNorm:
 
 
 class MLP:
-    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)); gate and up run as one GEMM over their stacked
+    weights (gate rows then up rows, the layout silu_and_mul reads) when their formats match."""
 
     def __init__(self, gate: Linear, up: Linear, down: Linear, backend: str = "torch"):
         self.gate, self.up, self.down, self.backend = gate, up, down, backend
+        self.gate_up: Optional[Linear] = None
+        both = concat_weights([gate.raw, up.raw])
+        if both is not None:
+            self.gate_up = Linear(f"{gate.name}|up", both, backend, gate.dtype, gate.device)
+            for lin in (gate, up):              # the stacked copy replaces theirs on the device
+                lin.dense = lin.packed = lin.scale = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.gate(x), self.up(x)
+        if self.gate_up is not None:
+            gu = self.gate_up(x)
+        else:
+            gu = torch.cat([self.gate(x), self.up(x)], -1)
         if self.backend == "torch":
+            g, u = gu.chunk(2, -1)
             h = torch.nn.functional.silu(g) * u
         else:
             from ops.norm import silu_and_mul
 
-            h = silu_and_mul(torch.cat([g, u], -1).contiguous(), backend="triton") if g.numel() else g
+            h = silu_and_mul(gu.contiguous(), backend="triton") if gu.numel() else gu[..., :gu.shape[-1] // 2]
         return self.down(h)
