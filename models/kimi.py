@@ -410,11 +410,11 @@ class KimiModel:
         for group in _groups(entries):
             seqs = torch.tensor([entries[g][0] for g in group], dtype=torch.long, device=dev)
             toks = torch.tensor([entries[g][1] for g in group], dtype=torch.long, device=dev)
-            tr = entries[group[0]][2]
-            if tr is not None:
-                d = torch.as_tensor(list(tr[0]), dtype=torch.long, device=dev)[None]
-                o = self.step(cache, toks, seqs, (d, tr[1].to(dev).bool()[None]))
-                outs = [o]
+            if entries[group[0]][2] is not None:
+                trs = [entries[g][2] for g in group]
+                d = torch.tensor([[int(x) for x in tr[0]] for tr in trs], dtype=torch.long, device=dev)
+                mk = torch.stack([tr[1].bool().cpu() for tr in trs]).to(dev)
+                outs = [self.step(cache, toks, seqs, (d, mk))]
             else:
                 outs = [self.step(cache, toks[:, j:j + chunk], seqs) for j in range(0, toks.shape[1], chunk)]
             lg = torch.cat([o.logits for o in outs], 1)
@@ -438,14 +438,11 @@ def _chunk_len(backend: str) -> int:
 
 
 def _groups(entries: list) -> list[list[int]]:
-    """Indices of entries that can share one uniform step: same length and no tree (a tree entry goes alone)."""
-    by_len: dict[int, list[int]] = {}
+    """Indices of entries that can share one uniform step: same length, and all chains or all trees."""
+    by_len: dict[tuple, list[int]] = {}
     out: list[list[int]] = []
     for i, (b, t, tr) in enumerate(entries):
-        if tr is not None:
-            out.append([i])
-        else:
-            by_len.setdefault(len(t), []).append(i)
+        by_len.setdefault((len(t), tr is not None), []).append(i)
     seen_slots: set = set()
     for idx in by_len.values():
         cur: list[int] = []

@@ -336,7 +336,8 @@ class Engine:
         k = params.steps if spec else 0
         T, P = params.temperature, params.top_p
         B = len(prompts)
-        graphs_mode = self.graphs if hasattr(self.target, "step") else "off"
+        native = hasattr(self.target, "step") and (not spec or hasattr(self.draft, "step"))
+        graphs_mode = self.graphs if native else "off"          # stubs (list API only) run eagerly, unpadded
         Bp = bucket(B) if graphs_mode != "off" else B
         prompts = [list(p) for p in prompts] + [[0]] * (Bp - B)          # padding rows: inactive from the start
         cap = max(len(p) for p in prompts) + max_new_tokens + k + 2
