@@ -390,9 +390,13 @@ class Engine:
         ngen = torch.tensor([len(g) for g in gen] + [0] * (Bp - B), dtype=torch.long, device=dev)
         eos_t = torch.tensor(sorted(eos) or [-1], dtype=torch.long, device=dev)
         cols = torch.arange(k + 1, device=dev)
+        hist = torch.zeros(k + 1, dtype=torch.long, device=dev)
+        posacc = torch.zeros(k, dtype=torch.long, device=dev)
+        vtok = torch.zeros((), dtype=torch.long, device=dev)
         t0 = time.perf_counter()
         while not all(done):
             Lb = tc.table.lens.clone()
+            was_active = active
             if not spec:
                 logits, _ = runner(("target", Bp, 1), t_step, root[:, None])
                 toks = pick(logits[:, 0])[:, None]
@@ -428,23 +432,26 @@ class Engine:
             ngen = ngen + cut
             fin = active & ((is_eos & (cols[None, :] < cut[:, None])).any(1) | (ngen >= max_new_tokens))
             active = active & ~fin
-            host = torch.cat([toks, a[:, None], cut[:, None], fin[:, None].long()], 1).tolist()   # the one read
+            # metrics counters on the device (read once at the end)
+            stepped = was_active.long()
+            hist.index_add_(0, a, stepped)
+            posacc += ((cols[None, :k] < a[:, None]).long() * stepped[:, None]).sum(0)
+            vtok += ((a + 1) * stepped).sum()
+            host = torch.cat([toks, cut[:, None], fin[:, None].long()], 1).tolist()   # the one read per step
             m.batched_forwards += 1
             for b in range(B):
                 if done[b]:
                     continue
                 row = host[b]
-                ab, cb, fb = row[k + 1], row[k + 2], row[k + 3]
+                cb, fb = row[k + 1], row[k + 2]
                 gen[b].extend(int(t) for t in row[:cb])
                 tick(cb)
-                m.steps += 1
-                m.accepted += ab
-                m.histogram[ab] += 1
-                for j in range(ab):
-                    m.per_position[j] += 1
-                m.committed += cb
-                m.verify_tokens += ab + 1
                 done[b] = bool(fb)
+        counts = [int(x) for x in torch.cat([hist, posacc, vtok[None]]).tolist()]      # one read at the end
+        m.histogram, m.per_position, m.verify_tokens = counts[:k + 1], counts[k + 1:2 * k + 1], counts[-1]
+        m.steps = sum(m.histogram)
+        m.accepted = sum(i * c for i, c in enumerate(m.histogram))
+        m.committed = sum(len(g) for g in gen) - sum(1 for g in gen if g)      # after the prefill token
         m.decode_s = time.perf_counter() - t0
         m.generated = sum(len(g) for g in gen)
         return GenResult(gen, m, tc, dc)
