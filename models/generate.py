@@ -93,7 +93,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="0 = greedy; > 0 = sampled acceptance, chain or tree (target distribution preserved)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus of the target distribution when sampling")
     ap.add_argument("--backend", choices=("torch", "triton"), default="torch",
-                    help="torch: float32 reference math; triton: the kdsl kernels (interpreter on CPU)")
+                    help="torch: float32 reference math; triton: the kdsl kernels (on the GPU with a cuda "
+                         "--device, the interpreter on cpu)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=None, help="number of sequences (prompts are cycled)")
     ap.add_argument("--prompt", action="append", help="prompt text (repeatable)")
@@ -103,7 +104,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="cpu | cuda | cuda:N (default: cuda when a GPU is present, else cpu)")
     ap.add_argument("--graphs", choices=("on", "off"), default=None,
                     help="capture decode/verify/draft steps as CUDA graphs (default: on for cuda, off on cpu)")
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i draws from its own generator seeded from (seed, i))")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 for tiny models)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     a = ap.parse_args(argv)
