@@ -168,13 +168,19 @@ class Eagle3Draft:
         from ops.mha import append_kv, paged_mha_decode
         from ops.mla import MAX_Q_LEN
 
-        if QL > MAX_Q_LEN:
-            raise NotImplementedError(f"triton MHA: {QL} new rows per sequence > the decode kernel's q_len limit "
+        if ctx.window is not None and QL > MAX_Q_LEN:
+            raise NotImplementedError(f"triton MHA: {QL} tree rows per sequence > the decode kernel's q_len limit "
                                       f"{MAX_Q_LEN}")
         append_kv(kc, vc, k.to(kc.dtype).contiguous(), v.to(vc.dtype).contiguous(), ctx.slots)
         tm = None if ctx.window is None else ctx.window.to(torch.int8).contiguous()
-        o = paged_mha_decode(q.to(torch.bfloat16).view(B, QL, nh, hd).contiguous(), kc, vc, ctx.bt, ctx.seq_lens,
-                             scale, splits=attn_splits(ctx.capacity, nh), backend="triton", tree_mask=tm)
+        qb = q.to(torch.bfloat16).view(B, QL, nh, hd)
+        outs = []
+        for j in range(0, QL, MAX_Q_LEN):       # prefill: causal chunks of the kernel's q_len limit (QL is static)
+            e = min(QL, j + MAX_Q_LEN)
+            sl = ctx.seq_lens if e == QL else ctx.seq_lens - (QL - e)
+            outs.append(paged_mha_decode(qb[:, j:e].contiguous(), kc, vc, ctx.bt, sl, scale,
+                                         splits=attn_splits(ctx.capacity, nh), backend="triton", tree_mask=tm))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
         return o.reshape(B * QL, nh, hd).to(q.dtype)
 
     def forward(self, cache, batch: Sequence[tuple[int, Sequence[int], torch.Tensor]],
@@ -188,11 +194,7 @@ class Eagle3Draft:
         dev = self.device
         lens = list(cache.table.lengths)
         cap = cache.table.capacity
-        chunk = 1 << 30
-        if self.backend == "triton":
-            from ops.mla import MAX_Q_LEN
-
-            chunk = MAX_Q_LEN
+        chunk = 1 << 30                     # the triton attention chunks a long prefill inside the step
         prep = []          # (slot, tokens, hidden [n, W], positions or None, window [n, TW] or None)
         for i, (b, t, hid) in enumerate(batch):
             t = [int(x) for x in t]

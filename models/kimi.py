@@ -278,17 +278,22 @@ class _MLA:
             return o.reshape(B * QL, H, C).to(q.dtype)
         from ops.mla import MAX_Q_LEN, append_latent, mla_decode
 
-        if QL > MAX_Q_LEN:
-            raise NotImplementedError(f"triton MLA: {QL} new rows per sequence > mla_decode's q_len limit {MAX_Q_LEN}")
         tree = None
         if ctx.window is not None:
             if ctx.window.shape[-1] != QL:
                 raise NotImplementedError("triton MLA: visibility over earlier cached rows (draft tree) is not supported")
+            if QL > MAX_Q_LEN:
+                raise NotImplementedError(f"triton tree verify: {QL} tree nodes > mla_decode's q_len limit {MAX_Q_LEN}")
             tree = ctx.window.to(torch.int8)
         append_latent(kvl, new.to(kvl.dtype).contiguous(), ctx.slots)
-        o = mla_decode(q.to(torch.bfloat16).view(B, QL, H, -1).contiguous(), kvl, ctx.bt, ctx.seq_lens, self.scale,
-                       latent_dim=C, tree_mask=tree, splits=attn_splits(ctx.capacity, H), out_dtype=torch.bfloat16,
-                       backend="triton")
+        qb = q.to(torch.bfloat16).view(B, QL, H, -1)
+        outs = []
+        for j in range(0, QL, MAX_Q_LEN):       # prefill: causal chunks of the kernel's q_len limit (QL is static)
+            e = min(QL, j + MAX_Q_LEN)
+            sl = ctx.seq_lens if e == QL else ctx.seq_lens - (QL - e)
+            outs.append(mla_decode(qb[:, j:e].contiguous(), kvl, ctx.bt, sl, self.scale, latent_dim=C, tree_mask=tree,
+                                   splits=attn_splits(ctx.capacity, H), out_dtype=torch.bfloat16, backend="triton"))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
         return o.reshape(B * QL, H, C).to(q.dtype)
 
 
@@ -442,11 +447,8 @@ class KimiModel:
 
 
 def _chunk_len(backend: str) -> int:
-    """Rows per sequence in one step of the ragged path: the decode kernels' q_len limit on triton."""
-    if backend == "triton":
-        from ops.mla import MAX_Q_LEN
-
-        return MAX_Q_LEN
+    """Rows per sequence in one step of the ragged path: all of them (the triton attention walks a long
+    prefill in causal chunks of the kernels' q_len limit inside the step)."""
     return 1 << 30
 
 
