@@ -14,6 +14,10 @@ The lm_head is over the draft vocab; `to_target` maps draft ids with d2t (target
 The MLA draft variant (`kind="mla"`, `Eagle3DeepseekV2ForCausalLM`) replaces the attention by an
 MLA block (models.kimi's, q_a_proj / kv_a_proj_with_mqa taking the 2H input, interleaved YaRN rope)
 over its own one-layer latent cache.
+
+Entry points as for the target (models.kimi): `step(cache, tokens [B, q_len], hidden [B, q_len, W])`
+is the device path (no host read, one batched attention launch); `forward(cache, [(slot, tokens,
+hidden)], views)` is the ragged list API on top of it.
 """
 from __future__ import annotations
 
@@ -22,10 +26,11 @@ from typing import Optional, Sequence
 import torch
 
 from models.config import Eagle3Config
-from models.kimi import _dense, rope_scaling_dict
-from models.kv_cache import MHACache
+from models.kimi import _dense, attn_splits, default_device, rope_scaling_dict
+from models.kv_cache import LatentCache, MHACache
 from models.layers import MLP, Linear, RMSNorm, act_dtype, check_backend
 from models.loader import Checkpoint
+from models.step import RopeTable, StepCtx, advance, make_ctx, paged_rows, visibility
 
 __all__ = ["Eagle3Draft"]
 
@@ -34,23 +39,24 @@ class Eagle3Draft:
     """The EAGLE-3 midlayer draft with its own paged MHA cache."""
 
     def __init__(self, ck: Checkpoint, target_embed: Optional[torch.Tensor] = None, target_hidden: Optional[int] = None,
-                 backend: str = "torch", dtype: torch.dtype = torch.float32):
+                 backend: str = "torch", dtype: torch.dtype = torch.float32, device: Optional[str | torch.device] = None):
         cfg = ck.config
         if not isinstance(cfg, Eagle3Config):
             raise TypeError(f"Eagle3Draft needs a draft checkpoint, got {type(cfg).__name__}")
         if cfg.kind not in ("mha", "mla"):
             raise NotImplementedError(f"EAGLE-3 draft kind {cfg.kind!r} ({cfg.architecture}) is not implemented")
         self.cfg, self.backend, self.dtype = cfg, check_backend(backend), dtype
+        self.device = dev = torch.device(device) if device is not None else default_device()
         self.adt = act_dtype(backend, dtype)
         eps = cfg.rms_norm_eps
-        L = lambda n: Linear(n, ck[n + ".weight"], backend, dtype)  # noqa: E731
-        N = lambda n: RMSNorm(ck[n + ".weight"], eps, backend, dtype)  # noqa: E731
+        L = lambda n: Linear(n, ck[n + ".weight"], backend, dtype, dev)  # noqa: E731
+        N = lambda n: RMSNorm(ck[n + ".weight"], eps, backend, dtype, dev)  # noqa: E731
         emb = ck.get("embed_tokens.weight")
         if emb is None:
             if target_embed is None:
                 raise KeyError("draft has no 'embed_tokens.weight': pass the target's embedding")
             emb = target_embed
-        self.embed = _dense(emb).to(self.adt)
+        self.embed = _dense(emb).to(self.adt).to(dev)
         self.fc = L("fc")
         self.target_hidden = target_hidden or cfg.target_hidden_size
         m = "midlayer."
@@ -60,132 +66,154 @@ class Eagle3Draft:
         if cfg.kind == "mla":
             from models.kimi import _MLA
 
-            self.mla = _MLA(ck, 0, cfg, backend, dtype, prefix=a)
+            self.mla = _MLA(ck, 0, cfg, backend, dtype, prefix=a, device=dev)
         else:
             self.q, self.k, self.v, self.o = L(a + "q_proj"), L(a + "k_proj"), L(a + "v_proj"), L(a + "o_proj")
         self.mlp = MLP(L(m + "mlp.gate_proj"), L(m + "mlp.up_proj"), L(m + "mlp.down_proj"), backend=backend)
         self.norm = N("norm")
         self.lm_head = L("lm_head")
         d2t = ck.get("d2t")
-        self.d2t = None if d2t is None else d2t.long()
+        self.d2t = None if d2t is None else d2t.long().to(dev)
         if self.d2t is not None and self.d2t.shape != (cfg.draft_vocab_size,):
             raise ValueError(f"tensor 'd2t' must be [{cfg.draft_vocab_size}], got {tuple(self.d2t.shape)}")
         self.rope_scaling = rope_scaling_dict(cfg.rope_scaling)
+        rdim = cfg.qk_rope_head_dim if cfg.kind == "mla" else cfg.head_dim
+        self.rope = RopeTable(rdim, cfg.rope_theta, self.rope_scaling, dev)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target ids (d2t offsets; identity for a full-vocab draft)."""
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
     def new_cache(self, batch: int, max_tokens: int, page_size: int = 16):
-        """MHACache (Llama midlayer) or a one-layer LatentCache (MLA midlayer)."""
+        """MHACache (Llama midlayer) or a one-layer LatentCache (MLA midlayer), on the draft's device."""
         c = self.cfg
-        pages = batch * -(-max_tokens // page_size) + 1
         if c.kind == "mla":
-            from models.kv_cache import LatentCache
+            cache = LatentCache.for_tokens(1, batch, max_tokens, page_size, c.kv_lora_rank + c.qk_rope_head_dim,
+                                           self.adt, self.device)
+        else:
+            cache = MHACache.for_tokens(1, batch, max_tokens, page_size, c.num_key_value_heads, c.head_dim, self.adt,
+                                        self.device)
+        self.rope.ensure(cache.table.capacity)
+        return cache
 
-            return LatentCache(1, batch, pages, page_size, c.kv_lora_rank + c.qk_rope_head_dim, dtype=self.adt)
-        return MHACache(1, batch, pages, page_size, c.num_key_value_heads, c.head_dim, dtype=self.adt)
+    def step(self, cache, tokens: torch.Tensor, hidden: torch.Tensor, seqs: Optional[torch.Tensor] = None,
+             positions: Optional[torch.Tensor] = None, window: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, q_len] (device, long), hidden [B, q_len, 3*H_target] aux rows or [B, q_len, H] carried
+        states: append B*q_len rows at each slot's length (which grows by q_len on the device).
+        Returns (float32 draft-vocab logits [B, q_len, Vd], pre-norm carry y [B, q_len, H]).
 
-    def forward(self, cache: MHACache, batch: Sequence[tuple[int, Sequence[int], torch.Tensor]],
-                views: Optional[Sequence[Optional[tuple]]] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """For each (slot, tokens [n], hidden [n, 3*H_target] aux rows or [n, H] carried states):
-        append n rows at the slot's next positions. Returns per entry (float32 draft-vocab logits [n, Vd],
-        pre-norm carry y [n, H]).
-
-        views[i] (tree drafting, optional): (positions [n], visible bool [n, len_b + n]): explicit rope
-        positions and which cached rows (incl. the new ones) each new row attends to."""
+        positions [B, q_len] (tree drafting): explicit rope positions; window bool [B, q_len, TW]: row r
+        sees every cached row before the last TW and those of the last TW marked in window[r] (the new
+        rows are the last q_len). No device->host read happens here."""
         c = self.cfg
-        segs, toks, poss, hs = [], [], [], []
-        off = 0
-        for i, (b, t, hid) in enumerate(batch):
-            t = list(t)
-            if hid.shape[0] != len(t):
-                raise ValueError(f"draft forward: {len(t)} tokens but {hid.shape[0]} hidden rows (slot {b})")
-            start = cache.table.lengths[b]
-            vw = views[i] if views is not None else None
-            if vw is None:
-                segs.append((b, off, len(t), start))
-                poss.extend(range(start, start + len(t)))
-            else:
-                segs.append((b, off, len(t), start, vw[1].bool()))
-                poss.extend(int(p) for p in vw[0])
-            toks.extend(t)
-            if hid.shape[-1] == 3 * self.target_hidden:
-                hs.append(self.fc(hid.to(self.adt)))
-            elif hid.shape[-1] == c.hidden_size:
-                hs.append(hid.to(self.adt))
-            else:
-                raise ValueError(f"draft forward: hidden width {hid.shape[-1]} is neither 3 x target hidden "
-                                 f"({3 * self.target_hidden}) nor the draft hidden ({c.hidden_size})")
-            off += len(t)
-        h = torch.cat(hs, 0).to(self.adt)
-        T = h.shape[0]
-        ids = torch.tensor(toks, dtype=torch.long)
-        x = torch.cat([self.input_norm(self.embed[ids]), self.hidden_norm(h)], -1)
+        B, QL = tokens.shape
+        hid = hidden.reshape(B * QL, hidden.shape[-1])
+        if hid.shape[-1] == 3 * self.target_hidden:
+            h = self.fc(hid.to(self.adt)).to(self.adt)
+        elif hid.shape[-1] == c.hidden_size:
+            h = hid.to(self.adt)
+        else:
+            raise ValueError(f"draft forward: hidden width {hid.shape[-1]} is neither 3 x target hidden "
+                             f"({3 * self.target_hidden}) nor the draft hidden ({c.hidden_size})")
+        ctx = make_ctx(cache.table, B, QL, seqs, positions=positions, window=window)
+        cos, sin = self.rope(ctx.positions)
+        x = torch.cat([self.input_norm(self.embed[tokens.reshape(-1)]), self.hidden_norm(h)], -1)
         if c.kind == "mla":
-            from ops.rope import cos_sin
+            attn_out = self.mla(x, cos, sin, cache, 0, ctx)
+        else:
+            attn_out = self._mha(x, cos, sin, cache, ctx)
+        advance(cache.table, ctx)
+        r = h + attn_out.to(h.dtype)
+        y = r + self.mlp(self.post_norm(r)).to(r.dtype)
+        logits = self.lm_head(self.norm(y)).float()
+        return logits.view(B, QL, -1), y.view(B, QL, -1)
 
-            cos, sin = cos_sin(torch.tensor(poss), c.qk_rope_head_dim, c.rope_theta, self.rope_scaling)
-            attn_out = self.mla(x, cos, sin, cache, 0, segs)
-            for (b, o, n, start, *_) in segs:
-                cache.table.lengths[b] = start + n
-            return self._finish(h, attn_out, segs)
+    def _mha(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: MHACache, ctx: StepCtx) -> torch.Tensor:
+        from ops.rope import apply_rope, rope_ref
+
+        c = self.cfg
+        T = x.shape[0]
         nh, kvh, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q = self.q(x).view(T, nh, hd)
         k = self.k(x).view(T, kvh, hd)
         v = self.v(x).view(T, kvh, hd)
-        from ops.rope import apply_rope, cos_sin, rope_ref
-
-        cos, sin = cos_sin(torch.tensor(poss), hd, c.rope_theta, self.rope_scaling)
         if self.backend == "torch":
             q, k = rope_ref(q, cos, sin, "neox"), rope_ref(k, cos, sin, "neox")
         else:
             q = apply_rope(q.contiguous(), cos, sin, "neox", backend="triton")
             k = apply_rope(k.contiguous(), cos, sin, "neox", backend="triton")
-        ps = cache.table.page_size
-        att = torch.empty(T, nh, hd, dtype=q.dtype)
-        for (b, o, n, start, *vis) in segs:
-            s = cache.table.slots(b, start, n)
-            cache.k[0][s // ps, s % ps] = k[o:o + n].to(cache.k[0].dtype)
-            cache.v[0][s // ps, s % ps] = v[o:o + n].to(cache.v[0].dtype)
-            att[o:o + n] = self._attend(q[o:o + n], cache, b, start, n, vis[0] if vis else None)
-        for (b, o, n, start, *_) in segs:
-            cache.table.lengths[b] = start + n
-        return self._finish(h, self.o(att.reshape(T, nh * hd)), segs)
+        att = self._attend(q, k, v, cache, ctx)
+        return self.o(att.reshape(T, nh * hd))
 
-    def _finish(self, h: torch.Tensor, attn_out: torch.Tensor, segs: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        r = h + attn_out.to(h.dtype)
-        y = r + self.mlp(self.post_norm(r)).to(r.dtype)
-        logits = self.lm_head(self.norm(y)).float()
-        return [(logits[sg[1]:sg[1] + sg[2]], y[sg[1]:sg[1] + sg[2]]) for sg in segs]
-
-    def _attend(self, q: torch.Tensor, cache: MHACache, b: int, start: int, n: int,
-                visible: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: MHACache, ctx: StepCtx) -> torch.Tensor:
+        """Append the new K/V rows at ctx.slots, then one batched paged attention over all B sequences."""
         c = self.cfg
-        scale = c.head_dim ** -0.5
+        B, QL = ctx.B, ctx.QL
+        nh, hd = c.num_attention_heads, c.head_dim
+        scale = hd ** -0.5
+        kc, vc = cache.k[0], cache.v[0]
         if self.backend == "torch":
-            k, v = cache.rows(0, b, start + n)
-            g = c.num_attention_heads // c.num_key_value_heads
-            k = k.to(self.dtype).repeat_interleave(g, 1)
-            v = v.to(self.dtype).repeat_interleave(g, 1)
-            s = torch.einsum("qhd,shd->qhs", q.to(self.dtype), k) * scale
-            pos = torch.arange(start + n)
-            vis = pos[None, :] <= (start + torch.arange(n))[:, None] if visible is None else visible
-            s = s.masked_fill(~vis[:, None, :], float("-inf"))
-            return torch.einsum("qhs,shd->qhd", s.softmax(-1), v)
-        from ops.mha import paged_mha_decode
+            ps = kc.shape[1]
+            kc[ctx.slots // ps, ctx.slots % ps] = k.to(kc.dtype)
+            vc[ctx.slots // ps, ctx.slots % ps] = v.to(vc.dtype)
+            g = nh // c.num_key_value_heads
+            K = paged_rows(kc, ctx.bt).to(self.dtype).repeat_interleave(g, 2)     # [B, S, nh, hd]
+            V = paged_rows(vc, ctx.bt).to(self.dtype).repeat_interleave(g, 2)
+            s = torch.einsum("bqhd,bshd->bqhs", q.view(B, QL, nh, hd).to(self.dtype), K) * scale
+            vis = visibility(ctx, K.shape[1])
+            s = s.masked_fill(~vis[:, :, None, :], float("-inf"))
+            o = torch.einsum("bqhs,bshd->bqhd", s.softmax(-1), V)
+            return o.reshape(B * QL, nh, hd).to(q.dtype)
+        from ops.mha import append_kv, paged_mha_decode
         from ops.mla import MAX_Q_LEN
 
-        bt = cache.table.block_table([b])
-        wb = start
-        if visible is not None:                  # tree window: from the first column some row cannot see
-            hidden = (~visible.bool()).any(0).nonzero()
-            wb = min(start, int(hidden[0])) if hidden.numel() else start
-        outs = []
-        for i in range(0, n, MAX_Q_LEN):
-            j = min(n, i + MAX_Q_LEN)
-            tm = None if visible is None else visible[i:j, wb:start + j].to(torch.int8).unsqueeze(0)
-            o = paged_mha_decode(q[i:j].to(torch.bfloat16).unsqueeze(0).contiguous(), cache.k[0], cache.v[0], bt,
-                                 torch.tensor([start + j], dtype=torch.int32), scale, backend="triton", tree_mask=tm)
-            outs.append(o[0])
-        return torch.cat(outs, 0).to(q.dtype)
+        if QL > MAX_Q_LEN:
+            raise NotImplementedError(f"triton MHA: {QL} new rows per sequence > the decode kernel's q_len limit "
+                                      f"{MAX_Q_LEN}")
+        append_kv(kc, vc, k.to(kc.dtype).contiguous(), v.to(vc.dtype).contiguous(), ctx.slots)
+        tm = None if ctx.window is None else ctx.window.to(torch.int8).contiguous()
+        o = paged_mha_decode(q.to(torch.bfloat16).view(B, QL, nh, hd).contiguous(), kc, vc, ctx.bt, ctx.seq_lens,
+                             scale, splits=attn_splits(ctx.capacity, nh), backend="triton", tree_mask=tm)
+        return o.reshape(B * QL, nh, hd).to(q.dtype)
+
+    def forward(self, cache, batch: Sequence[tuple[int, Sequence[int], torch.Tensor]],
+                views: Optional[Sequence[Optional[tuple]]] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Ragged list API. For each (slot, tokens [n], hidden [n, 3*H_target] aux rows or [n, H] carried
+        states): append n rows at the slot's next positions. Returns per entry (float32 draft-vocab logits
+        [n, Vd], pre-norm carry y [n, H]).
+
+        views[i] (tree drafting, optional): (positions [n], visible bool [n, len_b + n]): explicit rope
+        positions and which cached rows (incl. the new ones) each new row attends to."""
+        dev = self.device
+        lens = cache.table.lengths
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        chunk = 1 << 30
+        if self.backend == "triton":
+            from ops.mla import MAX_Q_LEN
+
+            chunk = MAX_Q_LEN
+        for i, (b, t, hid) in enumerate(batch):
+            t = [int(x) for x in t]
+            if hid.shape[0] != len(t):
+                raise ValueError(f"draft forward: {len(t)} tokens but {hid.shape[0]} hidden rows (slot {b})")
+            cache.table._check(b)
+            start = lens[b]
+            cache.table.reserve(b, start + len(t))
+            seqs = torch.tensor([b], dtype=torch.long, device=dev)
+            toks = torch.tensor([t], dtype=torch.long, device=dev)
+            hid = hid.to(dev)[None]
+            vw = views[i] if views is not None else None
+            if vw is not None:
+                vis = vw[1].bool().cpu()
+                n = len(t)
+                if tuple(vis.shape) != (n, start + n):
+                    raise ValueError(f"draft forward: view of slot {b} must be [{n}, {start + n}], got {tuple(vis.shape)}")
+                hidden_cols = (~vis).any(0).nonzero()           # window: from the first column a row cannot see
+                wb = min(start, int(hidden_cols[0])) if hidden_cols.numel() else start
+                pos = torch.as_tensor([int(p) for p in vw[0]], dtype=torch.long, device=dev)[None]
+                out.append(tuple(x[0] for x in self.step(cache, toks, hid, seqs, pos, vis[:, wb:].to(dev)[None])))
+                continue
+            parts = [self.step(cache, toks[:, j:j + chunk], hid[:, j:j + chunk], seqs) for j in range(0, len(t), chunk)]
+            out.append((torch.cat([p[0][0] for p in parts], 0), torch.cat([p[1][0] for p in parts], 0)))
+        return out

@@ -21,6 +21,11 @@ name (models.config: as given, +1 on each when the first id is 1), the default (
 absent, or `--aux-ids` (taken as given); the report and the JSON say which ids were used and why.
 Bad input (flags, paths, configs, checkpoints) ends in one line on stderr naming it and exit status 2;
 counts are bounded by the model (positions, draft vocab) and by the memory available.
+Device: --device (default cuda when torch sees a GPU, else cpu) holds the weights, caches and every
+step tensor; the triton backend runs its kernels on the GPU there (the interpreter on CPU tensors).
+--graphs on (default on a GPU) captures the decode, verify and draft steps as CUDA graphs per padded
+batch bucket. --prompt-ids 1,2,3 (repeatable) gives a prompt as token ids. With --temperature > 0
+each prompt samples from its own generator seeded from (--seed, prompt index).
 """
 from __future__ import annotations
 
@@ -215,15 +220,17 @@ def _check_model_bounds(a: argparse.Namespace, tdir: Path, ddir: Path, num_draft
         raise ValueError(f"--draft {ddir}: config.json does not describe an EAGLE-3 draft")
     if a.topk > dc.draft_vocab_size:
         raise ValueError(f"--topk must be <= the draft vocab ({dc.draft_vocab_size}), got {a.topk}")
-    prompts = a.prompt or DEFAULT_PROMPTS
-    longest = max(len(p.encode("utf-8")) for p in prompts)       # >= its token count (a token is >= 1 byte)
+    id_lists = getattr(a, "prompt_id_lists", None) or []
+    prompts = (a.prompt or ([] if id_lists else DEFAULT_PROMPTS))
+    longest = max([len(p.encode("utf-8")) for p in prompts]      # >= its token count (a token is >= 1 byte)
+                  + [len(ids) for ids in id_lists])
     extra = num_draft_tokens + a.topk * a.topk * a.steps + a.steps + 2
     cap = longest + a.max_new_tokens + extra
     most = min(tc.max_position_embeddings, dc.max_position_embeddings)
     if cap > most:
         raise ValueError(f"--max-new-tokens {a.max_new_tokens}: prompt (up to {longest} tokens) + new tokens + "
                          f"draft room ({extra}) = {cap} positions exceed the model's max_position_embeddings {most}")
-    n = a.batch or len(prompts)
+    n = a.batch or (len(prompts) + len(id_lists))
     pages = n * -(-cap // 16) + 1
     kv_head = dc.kv_lora_rank + dc.qk_rope_head_dim if dc.kind == "mla" else 2 * dc.num_key_value_heads * dc.head_dim
     act = 4 if a.backend == "torch" else 2                       # float32 reference math, bf16 kernels
@@ -288,6 +295,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=None, help="number of sequences (prompts are cycled)")
     ap.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    ap.add_argument("--prompt-ids", action="append", metavar="ID,ID,...",
+                    help="a prompt as comma-separated token ids (repeatable; after the --prompt texts)")
+    ap.add_argument("--device", default=None,
+                    help="cpu | cuda | cuda:N (default: cuda when a GPU is present, else cpu)")
+    ap.add_argument("--graphs", choices=("on", "off"), default=None,
+                    help="capture decode/verify/draft steps as CUDA graphs (default: on for cuda, off on cpu)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 for tiny models)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
@@ -297,7 +310,40 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                          "eagle_aux_hidden_state_layer_ids, else (2, N//2, N-3)")
     a = ap.parse_args(argv)
     _validate_args(ap, a)
+    a.prompt_id_lists = [_ids(ap, x) for x in (a.prompt_ids or [])]
+    a.device = _device(ap, a.device)
+    if a.graphs is None:
+        a.graphs = "on" if a.device.type == "cuda" else "off"
+    elif a.graphs == "on" and a.device.type != "cuda":
+        ap.error(f"--graphs on needs a cuda device, got --device {a.device}")
     return a
+
+
+def _ids(ap: argparse.ArgumentParser, text: str) -> list[int]:
+    """--prompt-ids value -> token ids (range-checked against the vocab after loading)."""
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip() != ""]
+    except ValueError:
+        ap.error(f"--prompt-ids must be comma-separated integers, got {text!r}")
+    if not ids:
+        ap.error("--prompt-ids must hold at least one id")
+    return ids
+
+
+def _device(ap: argparse.ArgumentParser, name: Optional[str]) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        ap.error(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+    if dev.type not in ("cpu", "cuda"):
+        ap.error(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {name}: no GPU is visible to torch")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        ap.error(f"--device {name}: only {torch.cuda.device_count()} GPU(s)")
+    return dev
 
 
 def _table(rows: list[tuple[str, str, str]]) -> str:
@@ -338,17 +384,25 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(a.threads)
     elif tk.config.hidden_size <= 1024:
         torch.set_num_threads(1)               # tiny model: thread overhead dominates
-    target = KimiModel(tk, backend=a.backend, capture_ids=capture)
+    target = KimiModel(tk, backend=a.backend, capture_ids=capture, device=a.device)
     draft = Eagle3Draft(dk, target_embed=tk.get("model.embed_tokens.weight"),
-                        target_hidden=tk.config.hidden_size, backend=a.backend)
+                        target_hidden=tk.config.hidden_size, backend=a.backend, device=a.device)
     load_s = time.perf_counter() - t0
     tok = load_tokenizer(tdir, tk.config.vocab_size)
-    texts = a.prompt or DEFAULT_PROMPTS
-    n = a.batch or len(texts)
-    texts = [texts[i % len(texts)] for i in range(n)]
-    prompts = [tok.encode(t) for t in texts]
+    V = tk.config.vocab_size
+    for ids in a.prompt_id_lists:
+        bad = [i for i in ids if not 0 <= i < V]
+        if bad:
+            raise ValueError(f"--prompt-ids: token id {bad[0]} outside the vocab [0, {V})")
+    given = [(t, tok.encode(t)) for t in (a.prompt or [])] + [(f"ids:{','.join(map(str, ids))}", ids)
+                                                               for ids in a.prompt_id_lists]
+    if not given:
+        given = [(t, tok.encode(t)) for t in DEFAULT_PROMPTS]
+    n = a.batch or len(given)
+    texts = [given[i % len(given)][0] for i in range(n)]
+    prompts = [given[i % len(given)][1] for i in range(n)]
     eos = generation_eos_ids(tdir, tok)
-    engine = Engine(target, draft)
+    engine = Engine(target, draft, graphs=a.graphs)
 
     from tqdm import tqdm
 
@@ -364,7 +418,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     lossless = spec.outputs == plain.outputs if a.temperature == 0 else None
     ms, mp = spec.metrics, plain.metrics
     return {
-        "lossless": lossless, "backend": a.backend, "steps": a.steps, "topk": a.topk,
+        "lossless": lossless, "backend": a.backend, "device": str(a.device), "graphs": a.graphs, "steps": a.steps, "topk": a.topk,
         "draft_tokens": params.num_draft_tokens, "temperature": a.temperature, "batch": n,
         "tokenizer": tok.kind, "eos_ids": sorted(eos), "aux_ids": list(capture), "aux_ids_source": aux_src,
         "max_new_tokens": a.max_new_tokens, "target": str(tdir), "draft": str(ddir), "load_s": load_s,
@@ -383,7 +437,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 def report(r: dict[str, Any]) -> str:
     out = [f"target {r['target']}", f"draft  {r['draft']}",
-           f"backend {r['backend']}, steps {r['steps']}, topk {r['topk']}, draft tokens {r['draft_tokens']}, "
+           f"backend {r['backend']} on {r['device']} (graphs {r['graphs']}), steps {r['steps']}, topk {r['topk']}, draft tokens {r['draft_tokens']}, "
            f"temperature {r['temperature']}, batch {r['batch']}, max new tokens {r['max_new_tokens']}, "
            f"tokenizer {r['tokenizer']}",
            f"aux ids (target layers captured) {r['aux_ids']}: {r['aux_ids_source']}", ""]

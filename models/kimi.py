@@ -1,14 +1,20 @@
 """Kimi-K2.5 / DeepSeek-V3 target model built from the ops (REFERENCE §1).
 
-One forward handles a ragged batch: a list of (cache slot b, new tokens). The new tokens of slot b
-sit at positions [len_b, len_b + n_b) where len_b is the slot's current cache length; their latent
-KV rows are appended to the paged cache and attention is causal among the new rows (prefill,
-decode and the speculative verify are the same code path: q_len = n_b).
+Two entry points:
+- `step(cache, tokens [B, q_len], ...)`: the device path. Token ids, positions, slots, block tables
+  and lengths are device tensors (models.step); no device->host read, no host->device copy, one
+  batched attention launch per layer for the whole batch (uniform q_len: decode, verify, draft), the
+  cache's lengths advanced on the device. This is what the engine runs and what graphs capture.
+- `forward(cache, [(slot b, tokens)], trees)`: the ragged list API (prefill, tests). The new tokens of
+  slot b sit at positions [len_b, len_b + n_b); it reserves pages on the host and calls `step` per
+  group of equal-length entries (chunks of at most ops.mla.MAX_Q_LEN rows on the triton backend).
+The new rows' latent KV rows are appended to the paged cache and attention is causal among them
+(prefill, decode and the speculative verify are the same code: q_len = n_b).
 
 MLA uses the absorbed form everywhere: q_nope is folded through W_UK into a kv_lora_rank-wide latent
 query and attention runs over the 576-wide (for Kimi) latent cache, W_UV is applied afterwards.
-With backend="triton" the attention is ops.mla.mla_decode (chunks of at most ops.mla.MAX_Q_LEN new
-rows); with "torch" it is the same math in the model dtype.
+With backend="triton" the attention is ops.mla.mla_decode and the append ops.mla.append_latent; with
+"torch" it is the same math in the model dtype over every row the block table reaches (masked).
 
 Aux hidden states (models.config docstring): for every processed token, the residual stream
 ENTERING each layer of `capture_ids` (id N = the output of the last layer, before the final norm),
@@ -24,10 +30,16 @@ import torch
 from models.config import DeepseekV3Config
 from models.formats import QuantLinear, dequantize
 from models.kv_cache import LatentCache
-from models.layers import MLP, Linear, RMSNorm, act_dtype, check_backend
+from models.layers import MLP, Linear, RMSNorm, act_dtype, check_backend, concat_weights
 from models.loader import Checkpoint, stack_experts
+from models.step import RopeTable, StepCtx, advance, make_ctx, paged_rows, visibility
 
-__all__ = ["KimiModel", "TargetOutput", "RoutingTrace"]
+__all__ = ["KimiModel", "TargetOutput", "StepOutput", "RoutingTrace", "default_device", "attn_splits"]
+
+
+def default_device() -> torch.device:
+    """The GPU when one is present (ROCm torch reports `cuda` too), else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class TargetOutput:
@@ -35,6 +47,27 @@ class TargetOutput:
 
     def __init__(self, logits: list[torch.Tensor], aux: list[Optional[torch.Tensor]]):
         self.logits, self.aux = logits, aux
+
+
+class StepOutput:
+    """One uniform step: logits float32 [B, q_len, V], aux [B, q_len, len(ids) * H] (or None) and the
+    final pre-norm hidden rows [B * q_len, H]."""
+
+    def __init__(self, logits: torch.Tensor, aux: Optional[torch.Tensor], hidden: torch.Tensor):
+        self.logits, self.aux, self.hidden = logits, aux, hidden
+
+
+def attn_splits(capacity: int, heads: int) -> int:
+    """KV splits of a decode launch, fixed per cache (from its per-sequence capacity and the heads only):
+    no host read of the lengths, the same grid for every step of a bucket, and a row's reduction order
+    does not depend on the batch or q_len."""
+    from ops.mla import num_splits
+
+    return num_splits([capacity], 1, heads)
+
+
+def _on(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    return None if t is None else t.to(device)
 
 
 def _dense(w) -> torch.Tensor:
@@ -70,28 +103,29 @@ class RoutingTrace:
 
 class _MoE:
     def __init__(self, ck: Checkpoint, i: int, cfg: DeepseekV3Config, backend: str, dtype: torch.dtype,
-                 owner: Optional["KimiModel"] = None):
+                 owner: Optional["KimiModel"] = None, device: torch.device = torch.device("cpu")):
         p = f"model.layers.{i}.mlp."
         self.cfg, self.backend, self.dtype, self.owner = cfg, backend, dtype, owner
         self.gate = ck[p + "gate.weight"]
         self.bias = ck.get(p + "gate.e_score_correction_bias")
         E = cfg.n_routed_experts
-        self.bias = torch.zeros(E) if self.bias is None else self.bias.float()
+        self.bias = (torch.zeros(E) if self.bias is None else self.bias.float()).to(device)
         self.shared: Optional[MLP] = None
         if cfg.n_shared_experts:
             s = p + "shared_experts."
-            self.shared = MLP(*(Linear(s + n, ck[s + n + ".weight"], backend, dtype)
+            self.shared = MLP(*(Linear(s + n, ck[s + n + ".weight"], backend, dtype, device)
                                 for n in ("gate_proj", "up_proj", "down_proj")), backend=backend)
         if backend == "torch":
-            self.gate = self.gate.float()
-            self.w1 = torch.stack([_dense(ck[f"{p}experts.{e}.gate_proj.weight"]) for e in range(E)]).to(dtype)
-            self.w3 = torch.stack([_dense(ck[f"{p}experts.{e}.up_proj.weight"]) for e in range(E)]).to(dtype)
-            self.w2 = torch.stack([_dense(ck[f"{p}experts.{e}.down_proj.weight"]) for e in range(E)]).to(dtype)
+            self.gate = self.gate.float().to(device)
+            self.w1 = torch.stack([_dense(ck[f"{p}experts.{e}.gate_proj.weight"]) for e in range(E)]).to(dtype).to(device)
+            self.w3 = torch.stack([_dense(ck[f"{p}experts.{e}.up_proj.weight"]) for e in range(E)]).to(dtype).to(device)
+            self.w2 = torch.stack([_dense(ck[f"{p}experts.{e}.down_proj.weight"]) for e in range(E)]).to(dtype).to(device)
         else:
             from ops.moe import MoEConfig, MoEWeights
 
-            self.gate = self.gate.to(torch.bfloat16).contiguous()
-            self.experts = MoEWeights(**stack_experts(ck, i, pop=False))
+            self.gate = self.gate.to(torch.bfloat16).contiguous().to(device)
+            self.experts = MoEWeights(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+                                         for k, v in stack_experts(ck, i, pop=False).items()})
             self.moe_cfg = MoEConfig(top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
                                      norm_topk_prob=cfg.norm_topk_prob,
                                      routed_scaling_factor=cfg.routed_scaling_factor)
@@ -122,71 +156,96 @@ class _MoE:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return ids, w * c.routed_scaling_factor
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def _replayed(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         trace = self.owner.routing if self.owner is not None else None
+        if trace is None or trace.mode != "replay":
+            return None
+        return trace(None).to(x.device).long()
+
+    def _record(self, ids: torch.Tensor) -> None:
+        trace = self.owner.routing if self.owner is not None else None
+        if trace is not None and trace.mode == "record":
+            trace(ids)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton":
             from ops.moe import fused_experts, route
 
             c = self.moe_cfg
             xb = x.to(torch.bfloat16).contiguous()
-            forced = trace(None) if trace is not None and trace.mode == "replay" else None
+            forced = self._replayed(xb)
             if forced is None:
                 ids, w = route(xb, self.gate, self.bias, c.top_k, c.n_group, c.topk_group, c.norm_topk_prob,
                                c.routed_scaling_factor, backend="triton")
             else:
-                ids, w = self.route(xb, forced.long())
-            if trace is not None and trace.mode == "record":
-                trace(ids)
+                ids, w = self.route(xb, forced)
+            self._record(ids)
             y = fused_experts(xb, ids.to(torch.int32), w.float(), self.experts, backend="triton", check_ids=False)
             if self.shared is not None:
                 y = y + self.shared(xb).float()        # shared expert: gemm_bf16 + silu_mul kernels
             return y.to(torch.bfloat16)
-        forced = trace(None) if trace is not None and trace.mode == "replay" else None
+        forced = self._replayed(x)
         ids, w = self.route(x, forced)
-        if trace is not None and trace.mode == "record":
-            trace(ids)
+        self._record(ids)
+        # every expert over every row, weighted by its combine weight (0 where not chosen): no host read
+        # of the chosen ids, the same sum order (ascending expert id) as a per-expert gather
+        xe = x.to(self.dtype)
         out = torch.zeros_like(x, dtype=self.dtype)
-        for e in ids.unique().tolist():
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            xe = x[tok].to(self.dtype)
+        for e in range(self.cfg.n_routed_experts):
+            we = (w * (ids == e)).sum(-1).to(self.dtype)            # [T]
             h = torch.nn.functional.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)
-            out.index_add_(0, tok, (h @ self.w2[e].T) * w[tok, slot][:, None].to(self.dtype))
+            out = out + (h @ self.w2[e].T) * we[:, None]
         if self.shared is not None:
             out = out + self.shared(x)
         return out
 
 
 class _MLA:
-    def __init__(self, ck: Checkpoint, i: int, cfg, backend: str, dtype: torch.dtype, prefix: Optional[str] = None):
+    def __init__(self, ck: Checkpoint, i: int, cfg, backend: str, dtype: torch.dtype, prefix: Optional[str] = None,
+                 device: torch.device = torch.device("cpu")):
         """cfg: a DeepseekV3Config or an MLA Eagle3Config (same field names); prefix: tensor name prefix
         (default the target's `model.layers.{i}.self_attn.`)."""
         p = prefix if prefix is not None else f"model.layers.{i}.self_attn."
         self.cfg, self.backend, self.dtype = cfg, backend, dtype
-        L = lambda n: Linear(p + n, ck[p + n + ".weight"], backend, dtype)  # noqa: E731
+        L = lambda n: Linear(p + n, ck[p + n + ".weight"], backend, dtype, device)  # noqa: E731
+        self.qkv_a: Optional[Linear] = None          # q_a and kv_a as one GEMM (both read x)
         if cfg.q_lora_rank:
-            self.q_a, self.q_b = L("q_a_proj"), L("q_b_proj")
-            self.q_norm = RMSNorm(ck[p + "q_a_layernorm.weight"], cfg.rms_norm_eps, backend, dtype)
+            self.q_b = L("q_b_proj")
+            self.q_norm = RMSNorm(ck[p + "q_a_layernorm.weight"], cfg.rms_norm_eps, backend, dtype, device)
+            both = concat_weights([ck[p + "q_a_proj.weight"], ck[p + "kv_a_proj_with_mqa.weight"]])
+            if both is not None:
+                self.qkv_a = Linear(p + "q_a_proj|kv_a_proj_with_mqa", both, backend, dtype, device)
+            else:
+                self.q_a = L("q_a_proj")
         else:
             self.q_proj = L("q_proj")
-        self.kv_a = L("kv_a_proj_with_mqa")
-        self.kv_norm = RMSNorm(ck[p + "kv_a_layernorm.weight"], cfg.rms_norm_eps, backend, dtype)
+        if self.qkv_a is None:
+            self.kv_a = L("kv_a_proj_with_mqa")
+        self.kv_norm = RMSNorm(ck[p + "kv_a_layernorm.weight"], cfg.rms_norm_eps, backend, dtype, device)
         self.o_proj = L("o_proj")
         H, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
         kvb = _dense(ck[p + "kv_b_proj.weight"]).view(H, nope + v, cfg.kv_lora_rank)
-        self.w_uk = kvb[:, :nope].to(act_dtype(backend, dtype))      # [H, nope, C]
-        self.w_uv = kvb[:, nope:].to(act_dtype(backend, dtype))      # [H, v, C]
+        # absorbed W_UK / W_UV, prepared once in the activation dtype in the layouts the batched GEMMs read
+        adt = act_dtype(backend, dtype)
+        self.w_uk = kvb[:, :nope].to(adt).contiguous().to(device)                  # [H, nope, C]
+        self.w_uv_t = kvb[:, nope:].transpose(1, 2).to(adt).contiguous().to(device)  # [H, C, v]
         self.scale = cfg.softmax_scale
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache, layer: int,
-                 segs: list[tuple]) -> torch.Tensor:
+                 ctx: StepCtx) -> torch.Tensor:
         from ops.rope import apply_rope, rope_ref
 
         c = self.cfg
         T = x.shape[0]
         H, nope, r, C = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
-        q = self.q_b(self.q_norm(self.q_a(x))) if c.q_lora_rank else self.q_proj(x)
+        if self.qkv_a is not None:
+            qkv = self.qkv_a(x)
+            q = self.q_b(self.q_norm(qkv[:, :c.q_lora_rank].contiguous()))
+            kv = qkv[:, c.q_lora_rank:]
+        else:
+            q = self.q_b(self.q_norm(self.q_a(x))) if c.q_lora_rank else self.q_proj(x)
+            kv = self.kv_a(x)
         q = q.view(T, H, nope + r)
-        kv = self.kv_a(x)
         lat = self.kv_norm(kv[:, :C].contiguous())
         k_pe = kv[:, C:].reshape(T, 1, r)
         if self.backend == "torch":
@@ -195,66 +254,57 @@ class _MLA:
         else:
             q_pe = apply_rope(q[..., nope:].contiguous(), cos, sin, "interleaved", backend="triton")
             k_pe = apply_rope(k_pe.contiguous(), cos, sin, "interleaved", backend="triton")
-        q_lat = torch.einsum("thn,hnc->thc", q[..., :nope].float(), self.w_uk.float()).to(q.dtype)
-        qf = torch.cat([q_lat, q_pe.to(q.dtype)], -1)                  # [T, H, C + r]
-        new = torch.cat([lat, k_pe.reshape(T, r).to(lat.dtype)], -1)     # [T, C + r]
-        kvl = cache.kv[layer]
-        ps = cache.table.page_size
-        out = torch.empty(T, H, C, dtype=qf.dtype)
-        for (b, off, n, start, *vis) in segs:
-            slots = cache.table.slots(b, start, n)
-            kvl[slots // ps, slots % ps] = new[off:off + n].to(kvl.dtype)
-            out[off:off + n] = self._attend(qf[off:off + n], cache, layer, b, start, n, vis[0] if vis else None)
-        o = torch.einsum("thc,hvc->thv", out.float(), self.w_uv.float()).to(qf.dtype)
-        return self.o_proj(o.reshape(T, H * c.v_head_dim))
+        adt = self.w_uk.dtype
+        q_lat = torch.bmm(q[..., :nope].to(adt).transpose(0, 1), self.w_uk)          # [H, T, C]
+        qf = torch.cat([q_lat.transpose(0, 1), q_pe.to(adt)], -1)                   # [T, H, C + r]
+        new = torch.cat([lat, k_pe.reshape(T, r).to(lat.dtype)], -1)                # [T, C + r]
+        out = self._attend(qf, new, cache.kv[layer], ctx)                           # [T, H, C]
+        o = torch.bmm(out.to(adt).transpose(0, 1), self.w_uv_t)                     # [H, T, v]
+        return self.o_proj(o.transpose(0, 1).reshape(T, H * c.v_head_dim))
 
-    def _attend(self, q: torch.Tensor, cache: LatentCache, layer: int, b: int, start: int, n: int,
-                tree: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """tree: None (causal among the new rows) or bool [n, n]: new row i sees new row j (ancestors + self)."""
+    def _attend(self, q: torch.Tensor, new: torch.Tensor, kvl: torch.Tensor, ctx: StepCtx) -> torch.Tensor:
+        """Append the new latent rows at ctx.slots, then attend: one batched launch for all B sequences."""
         C = self.cfg.kv_lora_rank
+        B, QL = ctx.B, ctx.QL
+        H = q.shape[1]
         if self.backend == "torch":
-            rows = cache.rows(layer, b, start + n).to(self.dtype)            # [S, C + r]
-            s = torch.einsum("qhd,sd->qhs", q.to(self.dtype), rows) * self.scale
-            pos = torch.arange(start + n)
-            vis = pos[None, :] <= (start + torch.arange(n))[:, None]
-            if tree is not None:
-                if tree.shape[1] == n:
-                    vis[:, start:] = tree
-                else:                                   # full [n, start + n] visibility (draft trees)
-                    vis = tree
-            s = s.masked_fill(~vis[:, None, :], float("-inf"))
-            return torch.einsum("qhs,sc->qhc", s.softmax(-1), rows[:, :C])
-        from ops.mla import MAX_Q_LEN, mla_decode
+            ps = kvl.shape[1]
+            kvl[ctx.slots // ps, ctx.slots % ps] = new.to(kvl.dtype)
+            rows = paged_rows(kvl, ctx.bt).to(self.dtype)                 # [B, S, C + r]
+            s = torch.einsum("bqhd,bsd->bqhs", q.view(B, QL, H, -1).to(self.dtype), rows) * self.scale
+            vis = visibility(ctx, rows.shape[1])
+            s = s.masked_fill(~vis[:, :, None, :], float("-inf"))
+            o = torch.einsum("bqhs,bsc->bqhc", s.softmax(-1), rows[..., :C])
+            return o.reshape(B * QL, H, C).to(q.dtype)
+        from ops.mla import MAX_Q_LEN, append_latent, mla_decode
 
-        bt = cache.table.block_table([b])
-        if tree is not None:
-            if tree.shape[1] != n:
+        if QL > MAX_Q_LEN:
+            raise NotImplementedError(f"triton MLA: {QL} new rows per sequence > mla_decode's q_len limit {MAX_Q_LEN}")
+        tree = None
+        if ctx.window is not None:
+            if ctx.window.shape[-1] != QL:
                 raise NotImplementedError("triton MLA: visibility over earlier cached rows (draft tree) is not supported")
-            if n > MAX_Q_LEN:
-                raise NotImplementedError(f"triton tree verify: {n} tree nodes > mla_decode's q_len limit {MAX_Q_LEN}")
-            o = mla_decode(q.to(torch.bfloat16).unsqueeze(0).contiguous(), cache.kv[layer], bt,
-                           torch.tensor([start + n], dtype=torch.int32), self.scale, latent_dim=C,
-                           tree_mask=tree.to(torch.int8).unsqueeze(0), out_dtype=torch.float32, backend="triton")
-            return o[0].to(q.dtype)
-        outs = []
-        for i in range(0, n, MAX_Q_LEN):
-            j = min(n, i + MAX_Q_LEN)
-            ql = q[i:j].to(torch.bfloat16).unsqueeze(0).contiguous()
-            o = mla_decode(ql, cache.kv[layer], bt, torch.tensor([start + j], dtype=torch.int32), self.scale,
-                           latent_dim=C, out_dtype=torch.float32, backend="triton")
-            outs.append(o[0])
-        return torch.cat(outs, 0).to(q.dtype)
+            tree = ctx.window.to(torch.int8)
+        append_latent(kvl, new.to(kvl.dtype).contiguous(), ctx.slots)
+        o = mla_decode(q.to(torch.bfloat16).view(B, QL, H, -1).contiguous(), kvl, ctx.bt, ctx.seq_lens, self.scale,
+                       latent_dim=C, tree_mask=tree, splits=attn_splits(ctx.capacity, H), out_dtype=torch.bfloat16,
+                       backend="triton")
+        return o.reshape(B * QL, H, C).to(q.dtype)
 
 
 class KimiModel:
-    """The target: embed -> [attn + (dense MLP | MoE)] x N -> norm -> lm_head, with aux capture."""
+    """The target: embed -> [attn + (dense MLP | MoE)] x N -> norm -> lm_head, with aux capture.
+
+    device: where weights, caches and every step tensor live (default: models.kimi.default_device())."""
 
     def __init__(self, ck: Checkpoint, backend: str = "torch", dtype: torch.dtype = torch.float32,
-                 capture_ids: Optional[Sequence[int]] = None):
+                 capture_ids: Optional[Sequence[int]] = None, device: Optional[str | torch.device] = None):
         cfg = ck.config
         if not isinstance(cfg, DeepseekV3Config):
             raise TypeError(f"KimiModel needs a target checkpoint, got {type(cfg).__name__}")
         self.cfg, self.backend, self.dtype = cfg, check_backend(backend), dtype
+        self.device = torch.device(device) if device is not None else default_device()
+        dev = self.device
         self.adt = act_dtype(backend, dtype)
         self.routing: Optional[RoutingTrace] = None      # record / replay expert choices (tests, debugging)
         self.capture_ids = tuple(capture_ids) if capture_ids is not None else cfg.capture_layer_ids
@@ -262,26 +312,27 @@ class KimiModel:
             if not 1 <= i <= cfg.num_hidden_layers:
                 raise ValueError(f"capture id {i} outside [1, {cfg.num_hidden_layers}]")
         eps = cfg.rms_norm_eps
-        self.embed = _dense(ck["model.embed_tokens.weight"]).to(self.adt)
+        self.embed = _dense(ck["model.embed_tokens.weight"]).to(self.adt).to(dev)
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             if cfg.is_moe_layer(i):
-                mlp = _MoE(ck, i, cfg, backend, dtype, owner=self)
+                mlp = _MoE(ck, i, cfg, backend, dtype, owner=self, device=dev)
             else:
-                mlp = MLP(*(Linear(p + "mlp." + n, ck[p + f"mlp.{n}.weight"], backend, dtype)
+                mlp = MLP(*(Linear(p + "mlp." + n, ck[p + f"mlp.{n}.weight"], backend, dtype, dev)
                             for n in ("gate_proj", "up_proj", "down_proj")), backend=backend)
-            self.layers.append((RMSNorm(ck[p + "input_layernorm.weight"], eps, backend, dtype),
-                                _MLA(ck, i, cfg, backend, dtype),
-                                RMSNorm(ck[p + "post_attention_layernorm.weight"], eps, backend, dtype), mlp))
-        self.norm = RMSNorm(ck["model.norm.weight"], eps, backend, dtype)
+            self.layers.append((RMSNorm(ck[p + "input_layernorm.weight"], eps, backend, dtype, dev),
+                                _MLA(ck, i, cfg, backend, dtype, device=dev),
+                                RMSNorm(ck[p + "post_attention_layernorm.weight"], eps, backend, dtype, dev), mlp))
+        self.norm = RMSNorm(ck["model.norm.weight"], eps, backend, dtype, dev)
         head = ck.get("lm_head.weight")
         if head is None:
             if not cfg.tie_word_embeddings:
                 raise KeyError("tensor 'lm_head.weight' is missing (and tie_word_embeddings is false)")
             head = ck["model.embed_tokens.weight"]
-        self.lm_head = Linear("lm_head", head, backend, dtype)
+        self.lm_head = Linear("lm_head", head, backend, dtype, dev)
         self.rope_scaling = rope_scaling_dict(cfg.rope_scaling)
+        self.rope = RopeTable(cfg.qk_rope_head_dim, cfg.rope_theta, self.rope_scaling, dev)
 
     @property
     def hidden_size(self) -> int:
@@ -292,60 +343,114 @@ class KimiModel:
         return self.cfg.vocab_size
 
     def new_cache(self, batch: int, max_tokens: int, page_size: int = 16) -> LatentCache:
-        """A latent cache for `batch` sequences of up to `max_tokens` tokens each."""
-        pages = batch * -(-max_tokens // page_size) + 1
-        return LatentCache(self.cfg.num_hidden_layers, batch, pages, page_size, self.cfg.kv_cache_dim,
-                           dtype=self.adt)
+        """A latent cache for `batch` sequences of up to `max_tokens` tokens each (on the model's device;
+        the rope tables are grown to cover it here, outside any step)."""
+        c = LatentCache.for_tokens(self.cfg.num_hidden_layers, batch, max_tokens, page_size, self.cfg.kv_cache_dim,
+                                   self.adt, self.device)
+        self.rope.ensure(c.table.capacity)
+        return c
+
+    def step(self, cache: LatentCache, tokens: torch.Tensor, seqs: Optional[torch.Tensor] = None,
+             tree: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> StepOutput:
+        """Process tokens [B, q_len] (device, long) for cache slots `seqs` [B] (default 0..B-1); their rows
+        are appended at each slot's length, which then grows by q_len (on the device).
+
+        tree (optional): (depths long [B, q_len], mask bool [B, q_len, q_len]): row j sits at position
+        len_b + depths[j] and sees the cached prefix plus the new rows marked in mask[j]. The caller has
+        reserved the pages (PageTable.reserve). No device->host read happens here."""
+        B, QL = tokens.shape
+        depths, mask = tree if tree is not None else (None, None)
+        ctx = make_ctx(cache.table, B, QL, seqs, offsets=depths, window=mask)
+        cos, sin = self.rope(ctx.positions)
+        h = self.embed[tokens.reshape(-1)]
+        N = self.cfg.num_hidden_layers
+        caps: dict[int, torch.Tensor] = {}
+        x = self.layers[0][0](h) if N else self.norm(h)
+        for i, (n1, attn, n2, mlp) in enumerate(self.layers):
+            if i in self.capture_ids:
+                caps[i] = h                                   # the residual stream entering layer i
+            x, h = n2.add_norm(attn(x, cos, sin, cache, i, ctx), h)       # residual add fused into the norm
+            nxt = self.layers[i + 1][0] if i + 1 < N else self.norm
+            x, h = nxt.add_norm(mlp(x), h)
+        if N in self.capture_ids:
+            caps[N] = h
+        advance(cache.table, ctx)
+        logits = self.lm_head(x).float().view(B, QL, -1)
+        aux = torch.cat([caps[i] for i in self.capture_ids], -1).view(B, QL, -1) if self.capture_ids else None
+        return StepOutput(logits, aux, h)
 
     def forward(self, cache: LatentCache, batch: Sequence[tuple[int, Sequence[int]]],
                 keep_hidden: bool = False, trees: Optional[Sequence[Optional[tuple]]] = None) -> TargetOutput:
-        """Process new tokens for each (slot, tokens); appends their KV rows and advances lengths.
+        """Ragged list API: process new tokens for each (slot, tokens); appends their KV rows and advances
+        lengths (host-side bookkeeping, then `step` per group; for prefill and tests, not the decode loop).
 
         trees[i] (optional): (depths [n], mask bool [n, n]) for a token tree: row j sits at position
         len_b + depths[j] and sees the cached prefix plus the new rows marked in mask[j] (ancestors and
         itself). Returns float32 logits [n_b, V] and aux [n_b, len(capture_ids) * H] per entry."""
-        segs, toks, poss = [], [], []
-        off = 0
+        entries = []
+        lens = cache.table.lengths
         for i, (b, t) in enumerate(batch):
-            t = list(t)
+            t = [int(x) for x in t]
             if not t:
                 raise ValueError(f"forward: empty token list for sequence slot {b}")
-            start = cache.table.lengths[b]
+            if min(t) < 0 or max(t) >= self.cfg.vocab_size:
+                raise ValueError(f"token id out of range [0, {self.cfg.vocab_size})")
             tr = trees[i] if trees is not None else None
-            if tr is None:
-                segs.append((b, off, len(t), start))
-                poss.extend(range(start, start + len(t)))
-            else:
+            if tr is not None:
                 depths, mask = tr
                 if len(depths) != len(t) or tuple(mask.shape) != (len(t), len(t)):
                     raise ValueError(f"forward: tree for slot {b} must have {len(t)} depths and a [{len(t)}, {len(t)}] mask")
-                segs.append((b, off, len(t), start, mask.bool()))
-                poss.extend(start + int(d) for d in depths)
-            toks.extend(t)
-            off += len(t)
-        ids = torch.tensor(toks, dtype=torch.long)
-        if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
-            raise ValueError(f"token id out of range [0, {self.cfg.vocab_size})")
-        from ops.rope import cos_sin
-
-        cos, sin = cos_sin(torch.tensor(poss), self.cfg.qk_rope_head_dim, self.cfg.rope_theta, self.rope_scaling)
-        h = self.embed[ids]
-        N = self.cfg.num_hidden_layers
-        caps: dict[int, torch.Tensor] = {}
-        for i, (n1, attn, n2, mlp) in enumerate(self.layers):
-            if i in self.capture_ids:
-                caps[i] = h
-            h = (h + attn(n1(h), cos, sin, cache, i, segs).to(h.dtype))
-            h = (h + mlp(n2(h)).to(h.dtype))
-        if N in self.capture_ids:
-            caps[N] = h
-        for (b, o, n, start, *_) in segs:
-            cache.table.lengths[b] = start + n
-        logits = self.lm_head(self.norm(h)).float()
-        aux = torch.cat([caps[i] for i in self.capture_ids], -1) if self.capture_ids else None
-        out_l = [logits[sg[1]:sg[1] + sg[2]] for sg in segs]
-        out_a = [None if aux is None else aux[sg[1]:sg[1] + sg[2]] for sg in segs]
-        res = TargetOutput(out_l, out_a)
+            cache.table._check(b)
+            cache.table.reserve(b, lens[b] + len(t))
+            entries.append((b, t, tr))
+        dev = self.device
+        res: list[Optional[StepOutput]] = [None] * len(entries)
+        hid: list[Optional[torch.Tensor]] = [None] * len(entries)
+        chunk = _chunk_len(self.backend)
+        for group in _groups(entries):
+            seqs = torch.tensor([entries[g][0] for g in group], dtype=torch.long, device=dev)
+            toks = torch.tensor([entries[g][1] for g in group], dtype=torch.long, device=dev)
+            if entries[group[0]][2] is not None:
+                trs = [entries[g][2] for g in group]
+                d = torch.tensor([[int(x) for x in tr[0]] for tr in trs], dtype=torch.long, device=dev)
+                mk = torch.stack([tr[1].bool().cpu() for tr in trs]).to(dev)
+                outs = [self.step(cache, toks, seqs, (d, mk))]
+            else:
+                outs = [self.step(cache, toks[:, j:j + chunk], seqs) for j in range(0, toks.shape[1], chunk)]
+            lg = torch.cat([o.logits for o in outs], 1)
+            ax = None if outs[0].aux is None else torch.cat([o.aux for o in outs], 1)
+            hs = torch.cat([o.hidden.view(len(group), -1, o.hidden.shape[-1]) for o in outs], 1)
+            for r, g in enumerate(group):
+                res[g] = StepOutput(lg[r], None if ax is None else ax[r], hs[r])
+        out = TargetOutput([o.logits for o in res], [o.aux for o in res])
         if keep_hidden:
-            res.hidden = h  # type: ignore[attr-defined]
-        return res
+            out.hidden = torch.cat([o.hidden for o in res], 0)  # type: ignore[attr-defined]
+        return out
+
+
+def _chunk_len(backend: str) -> int:
+    """Rows per sequence in one step of the ragged path: the decode kernels' q_len limit on triton."""
+    if backend == "triton":
+        from ops.mla import MAX_Q_LEN
+
+        return MAX_Q_LEN
+    return 1 << 30
+
+
+def _groups(entries: list) -> list[list[int]]:
+    """Indices of entries that can share one uniform step: same length, and all chains or all trees."""
+    by_len: dict[tuple, list[int]] = {}
+    out: list[list[int]] = []
+    for i, (b, t, tr) in enumerate(entries):
+        by_len.setdefault((len(t), tr is not None), []).append(i)
+    seen_slots: set = set()
+    for idx in by_len.values():
+        cur: list[int] = []
+        for i in idx:                                # a slot appears at most once per step
+            if entries[i][0] in seen_slots and any(entries[j][0] == entries[i][0] for j in cur):
+                out.append(cur)
+                cur = []
+            cur.append(i)
+            seen_slots.add(entries[i][0])
+        out.append(cur)
+    return sorted(out, key=lambda g: g[0])

@@ -16,7 +16,7 @@ import torch
 
 from models.formats import QuantLinear, Weight, dequantize
 
-__all__ = ["BACKENDS", "check_backend", "Linear", "RMSNorm", "MLP", "act_dtype"]
+__all__ = ["BACKENDS", "check_backend", "Linear", "RMSNorm", "MLP", "act_dtype", "concat_weights"]
 
 BACKENDS = ("torch", "triton")
 
@@ -35,8 +35,10 @@ def act_dtype(backend: str, dtype: torch.dtype) -> torch.dtype:
 class Linear:
     """y = x @ W^T for W dense or a QuantLinear, dispatched per format and backend."""
 
-    def __init__(self, name: str, w: Weight, backend: str = "torch", dtype: torch.dtype = torch.float32):
+    def __init__(self, name: str, w: Weight, backend: str = "torch", dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
         self.name, self.backend, self.dtype = name, check_backend(backend), dtype
+        self.device = torch.device(device)
         self.raw = w
         if isinstance(w, QuantLinear):
             self.out_features, self.in_features = w.shape
@@ -45,10 +47,16 @@ class Linear:
                 raise ValueError(f"{name}: a linear weight must be 2-D, got {tuple(w.shape)}")
             self.out_features, self.in_features = w.shape
         self.dense: Optional[torch.Tensor] = None
+        self.packed: Optional[torch.Tensor] = None
+        self.scale: Optional[torch.Tensor] = None
         if backend == "torch":
-            self.dense = dequantize(w, torch.float32).to(dtype)
+            self.dense = dequantize(w, torch.float32).to(dtype).to(self.device)
         elif not isinstance(w, QuantLinear):
-            self.dense = w.to(torch.bfloat16).contiguous()
+            self.dense = w.to(torch.bfloat16).contiguous().to(self.device)
+        else:                                  # kernel operands on the device, scales in the dtype each GEMM reads
+            self.packed = w.packed.to(self.device)
+            sdt = torch.bfloat16 if (w.kind == "int4" and w.group == 32) else torch.float32
+            self.scale = w.scale.to(sdt).to(self.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -65,24 +73,42 @@ class Linear:
         from ops import gemm
 
         if x.shape[0] == 0:
-            return torch.zeros(0, self.out_features, dtype=torch.bfloat16)
+            return torch.zeros(0, self.out_features, dtype=torch.bfloat16, device=x.device)
         w = self.raw
         if not isinstance(w, QuantLinear):
             return gemm.gemm_bf16(x, self.dense, backend="triton")
         if w.kind == "int4" and w.pack == "ct" and w.group == 32:
-            return gemm.linear_w4a16(x, w.packed, w.scale.to(torch.bfloat16), backend="triton")
+            return gemm.linear_w4a16(x, self.packed, self.scale, backend="triton")
         if w.kind == "int4" and w.group == 0 and w.pack in ("quark_reorder", "quark_order"):
-            return gemm.linear_w4a8(x, w.packed, w.scale.float(), pack=w.pack, backend="triton")
+            return gemm.linear_w4a8(x, self.packed, self.scale, pack=w.pack, backend="triton")
         if w.kind == "fp8":
-            return gemm.linear_fp8(x, w.packed, w.scale.float(), backend="triton")
+            return gemm.linear_fp8(x, self.packed, self.scale, backend="triton")
         raise NotImplementedError(f"{self.name}: no triton linear for {w.kind}/{w.pack}/group {w.group} "
                                   f"({w.source}) yet")
 
 
+def concat_weights(ws: list[Weight]) -> Optional[Weight]:
+    """Stack linear weights along N (one GEMM for projections that read the same input), or None when
+    their formats differ (then they stay separate GEMMs)."""
+    if all(not isinstance(w, QuantLinear) for w in ws):
+        return torch.cat([w for w in ws], 0)
+    if not all(isinstance(w, QuantLinear) for w in ws):
+        return None
+    a = ws[0]
+    if any((w.kind, w.pack, w.group, w.source, w.shape[1], w.scale.dtype) !=
+           (a.kind, a.pack, a.group, a.source, a.shape[1], a.scale.dtype) or w.input_scale is not None for w in ws):
+        return None
+    from dataclasses import replace
+
+    return replace(a, packed=torch.cat([w.packed for w in ws], 0), scale=torch.cat([w.scale for w in ws], 0),
+                   shape=(sum(w.shape[0] for w in ws), a.shape[1]))
+
+
 class RMSNorm:
-    def __init__(self, w: torch.Tensor, eps: float, backend: str = "torch", dtype: torch.dtype = torch.float32):
+    def __init__(self, w: torch.Tensor, eps: float, backend: str = "torch", dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
         self.backend, self.eps = check_backend(backend), float(eps)
-        self.w = w.to(torch.float32 if backend == "torch" else torch.bfloat16)
+        self.w = w.to(torch.float32 if backend == "torch" else torch.bfloat16).to(device)
         self.dtype = dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,19 +123,43 @@ class RMSNorm:
             return xb
         return rms_norm(xb.contiguous(), self.w, self.eps, backend="triton")
 
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add fused into the norm on triton
+        (ops.norm.rms_norm with `residual`, the rmsnorm_add kernel); the sum is rounded to the
+        residual's dtype either way."""
+        if self.backend == "torch" or x.numel() == 0:
+            r = residual + x.to(residual.dtype)
+            return self(r), r
+        from ops.norm import rms_norm
+
+        y, r = rms_norm(x.to(torch.bfloat16).contiguous(), self.w, self.eps,
+                        residual=residual.to(torch.bfloat16).contiguous(), backend="triton")
+        return y, r
+
 
 class MLP:
-    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)); gate and up run as one GEMM over their stacked
+    weights (gate rows then up rows, the layout silu_and_mul reads) when their formats match."""
 
     def __init__(self, gate: Linear, up: Linear, down: Linear, backend: str = "torch"):
         self.gate, self.up, self.down, self.backend = gate, up, down, backend
+        self.gate_up: Optional[Linear] = None
+        both = concat_weights([gate.raw, up.raw])
+        if both is not None:
+            self.gate_up = Linear(f"{gate.name}|up", both, backend, gate.dtype, gate.device)
+            for lin in (gate, up):              # the stacked copy replaces theirs on the device
+                lin.dense = lin.packed = lin.scale = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.gate(x), self.up(x)
+        if self.gate_up is not None:
+            gu = self.gate_up(x)
+        else:
+            gu = torch.cat([self.gate(x), self.up(x)], -1)
         if self.backend == "torch":
+            g, u = gu.chunk(2, -1)
             h = torch.nn.functional.silu(g) * u
         else:
             from ops.norm import silu_and_mul
 
-            h = silu_and_mul(torch.cat([g, u], -1).contiguous(), backend="triton") if g.numel() else g
+            h = silu_and_mul(gu.contiguous(), backend="triton") if gu.numel() else gu[..., :gu.shape[-1] // 2]
         return self.down(h)

@@ -39,7 +39,7 @@ from typing import Any, Callable, Collection, Optional, Sequence, Union
 import torch
 
 __all__ = ["SpecParams", "Metrics", "GenResult", "Engine", "target_probs", "sample_accept", "sample_tree_accept",
-           "greedy_tree_accept"]
+           "greedy_tree_accept", "request_generators", "sample_rows", "chain_accept"]
 
 
 @dataclass
@@ -85,7 +85,8 @@ class Metrics:
     mode: str
     steps: int = 0                     # per-sequence verify (or plain decode) steps
     batched_forwards: int = 0          # target forward calls after prefill
-    committed: int = 0                 # tokens committed by those steps (bonus included)
+    committed: int = 0                 # tokens those steps added to the outputs (bonus included)
+    verify_tokens: int = 0             # tokens the verify steps committed, before max_new_tokens cuts them
     accepted: int = 0                  # accepted draft tokens
     k: int = 0
     per_position: list[int] = field(default_factory=list)
@@ -97,7 +98,9 @@ class Metrics:
 
     @property
     def accept_length(self) -> float:
-        return self.committed / self.steps if self.steps else 0.0
+        """Tokens committed per verify step (accepted drafts + bonus), counted whole even when
+        max_new_tokens truncates the output (the histogram's mean + 1)."""
+        return self.verify_tokens / self.steps if self.steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -200,29 +203,112 @@ def greedy_tree_accept(pred: Sequence[int], children: Sequence[Sequence[int]],
         cur = nxt
 
 
+def request_generators(seed: int, n: int, device: Union[str, torch.device] = "cpu") -> list[torch.Generator]:
+    """One generator per request, seeded from (seed, request index): a request's random stream does
+    not depend on what else is in the batch."""
+    return [torch.Generator(device=device).manual_seed((seed * 0x9E3779B1 + 0x632BE5AB * (i + 1)) % (1 << 63))
+            for i in range(n)]
+
+
+def _draw(gens: Sequence[torch.Generator], n: int, device: torch.device) -> torch.Tensor:
+    """float64 [len(gens), n] uniforms, row i from gens[i] (n per request per step, whatever the batch)."""
+    return torch.stack([torch.rand(n, generator=g, device=device, dtype=torch.float64) for g in gens])
+
+
+def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling on the device: probs [..., V], uniforms u [...] in [0, 1) -> ids [...].
+    A token of probability 0 is never picked (first index whose cumulative mass exceeds u * total)."""
+    cdf = probs.cumsum(-1)
+    x = (u * cdf[..., -1]).unsqueeze(-1).to(cdf.dtype)
+    return torch.searchsorted(cdf.contiguous(), x.contiguous(), right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def chain_accept(logits: torch.Tensor, drafts: torch.Tensor, temperature: float, top_p: float,
+                 u: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chain acceptance for a batch on the device: logits [B, k+1, V], drafts [B, k] ->
+    (accepted count a [B], committed tokens [B, k+1]: drafts 0..a-1 then the next token at a).
+
+    Greedy: a = longest prefix with d_j == argmax(logits[j]); the next token argmax(logits[a]).
+    Sampled (u [B, k+1] uniforms): accept d_j with probability p_j(d_j), on the first rejection draw
+    from p_a with d_a removed (renormalised), after k acceptances the bonus from p_k (sample_accept)."""
+    B, K1, V = logits.shape
+    k = K1 - 1
+    if temperature == 0:
+        pred = logits.argmax(-1)
+        a = torch.cumprod((drafts == pred[:, :k]).to(torch.int64), 1).sum(1) if k else pred.new_zeros(B)
+        return a, pred
+    p = target_probs(logits, temperature, top_p)                     # [B, k+1, V] float64
+    if k:
+        pd = p[:, :k].gather(2, drafts[:, :, None]).squeeze(-1)
+        a = torch.cumprod((u[:, :k] < pd).to(torch.int64), 1).sum(1)
+    else:
+        a = torch.zeros(B, dtype=torch.long, device=logits.device)
+    pa = p.gather(1, a[:, None, None].expand(B, 1, V)).squeeze(1)
+    if k:
+        rej = a < k
+        dtok = drafts.gather(1, a.clamp(max=k - 1)[:, None])
+        pa = torch.where(rej[:, None], pa.scatter(1, dtok, 0.0), pa)
+        pa = pa / pa.sum(-1, keepdim=True)
+    nxt = sample_rows(pa, u[:, k])
+    toks = torch.cat([drafts, drafts.new_zeros(B, 1)], 1) if k else drafts.new_zeros(B, 1)
+    toks = toks.scatter(1, a[:, None], nxt[:, None])
+    return a, toks
+
+
+class _ListTarget:
+    """`step` over a model that only has the ragged list `forward` (test stubs): host reads allowed."""
+
+    def __init__(self, m: Any):
+        self.m = m
+
+    def step(self, cache: Any, tokens: torch.Tensor) -> Any:
+        rows = tokens.tolist()
+        out = self.m.forward(cache, [(b, r) for b, r in enumerate(rows)])
+
+        class Out:
+            pass
+        o = Out()
+        o.logits = torch.stack([x.float() for x in out.logits])
+        o.aux = None if out.aux[0] is None else torch.stack(list(out.aux))
+        return o
+
+
+class _ListDraft:
+    def __init__(self, d: Any):
+        self.d = d
+
+    def step(self, cache: Any, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = tokens.tolist()
+        res = self.d.forward(cache, [(b, r, hidden[b]) for b, r in enumerate(rows)])
+        return torch.stack([lg.float() for lg, _ in res]), torch.stack([y for _, y in res])
+
+
 class Engine:
     """Batched speculative decoding, chain or tree (mode "spec"), and plain decoding (mode "plain"),
-    greedy or sampled."""
+    greedy or sampled.
 
-    def __init__(self, target: Any, draft: Any = None, page_size: int = 16):
-        self.target, self.draft, self.page_size = target, draft, page_size
+    Plain and chain decoding run on the models' device: tokens, lengths, acceptance and eos / length
+    checks are device tensors, each step reads back once (the committed tokens with their counts), and
+    the decode / draft / verify steps go through `graphs` (models.graphs.StepGraphs mode: "off",
+    "on" = CUDA graphs per padded batch bucket, "static" = the same buffers run eagerly, for CPU tests).
+    Tree drafting still walks its tree on the host (the list API of the models)."""
+
+    def __init__(self, target: Any, draft: Any = None, page_size: int = 16, graphs: str = "off"):
+        from models.graphs import MODES
+
+        if graphs not in MODES:
+            raise ValueError(f"graphs must be one of {MODES}, got {graphs!r}")
+        self.target, self.draft, self.page_size, self.graphs = target, draft, page_size, graphs
+        self.last_graphs: Any = None       # the StepGraphs of the last generate (captures / replays, tests)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, mode: str = "spec",
                  params: Optional[SpecParams] = None, eos_id: Union[int, Collection[int], None] = None,
                  progress: Optional[Callable[[int], None]] = None, seed: int = 0) -> GenResult:
         """Decode every prompt to max_new_tokens (or an eos id: one id or a collection). Greedy when
-        params.temperature == 0, else sampled (torch.Generator seeded with `seed`)."""
+        params.temperature == 0, else sampled: request i draws from its own generator seeded from
+        (seed, i), so its output does not depend on the rest of the batch."""
         params = params or SpecParams()
-        rng = torch.Generator().manual_seed(seed)
-        T, P = params.temperature, params.top_p
-
-        def pick(row: torch.Tensor) -> int:
-            if T == 0:
-                return int(row.argmax())
-            return int(torch.multinomial(target_probs(row, T, P), 1, generator=rng))
-
         params.validate()
-        eos = frozenset() if eos_id is None else frozenset([eos_id] if isinstance(eos_id, int) else eos_id)
         if mode not in ("spec", "plain"):
             raise ValueError(f"mode must be 'spec' or 'plain', got {mode!r}")
         if mode == "spec" and self.draft is None:
@@ -231,18 +317,167 @@ class Engine:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        k = params.steps if mode == "spec" else 0
+        eos = frozenset() if eos_id is None else frozenset([eos_id] if isinstance(eos_id, int) else eos_id)
+        if mode == "spec" and params.topk > 1:
+            return self._generate_tree(prompts, max_new_tokens, params, eos, progress or (lambda n: None), seed)
+        return self._generate_chain(prompts, max_new_tokens, mode, params, eos, progress or (lambda n: None), seed)
+
+    # ------------------------------------------------------------------------------------------
+    # plain and chain: device-resident
+
+    def _generate_chain(self, prompts, max_new_tokens: int, mode: str, params: SpecParams, eos: frozenset,
+                        tick: Callable[[int], None], seed: int) -> GenResult:
+        from models.graphs import StepGraphs, bucket
+
+        spec = mode == "spec"
+        tgt = self.target if hasattr(self.target, "step") else _ListTarget(self.target)
+        drf = None if not spec else (self.draft if hasattr(self.draft, "step") else _ListDraft(self.draft))
+        dev = torch.device(getattr(self.target, "device", "cpu"))
+        k = params.steps if spec else 0
+        T, P = params.temperature, params.top_p
         B = len(prompts)
-        tree = mode == "spec" and params.topk > 1
+        native = hasattr(self.target, "step") and (not spec or hasattr(self.draft, "step"))
+        graphs_mode = self.graphs if native else "off"          # stubs (list API only) run eagerly, unpadded
+        Bp = bucket(B) if graphs_mode != "off" else B
+        prompts = [list(p) for p in prompts] + [[0]] * (Bp - B)          # padding rows: inactive from the start
         cap = max(len(p) for p in prompts) + max_new_tokens + k + 2
-        if tree:
-            cap += params.num_draft_tokens + params.topk * params.topk * params.steps
-        tc = self.target.new_cache(B, cap, self.page_size)
-        dc = self.draft.new_cache(B, cap, self.page_size) if mode == "spec" else None
+        tc = self.target.new_cache(Bp, cap, self.page_size)
+        tc.table.reserve_all(cap)
+        dc = None
+        if spec:
+            dc = self.draft.new_cache(Bp, cap, self.page_size)
+            dc.table.reserve_all(cap)
+        runner = StepGraphs(graphs_mode, [tc.table.lens] + ([dc.table.lens] if dc is not None else []))
+        self.last_graphs = runner
+        gens = request_generators(seed, Bp, dev) if T > 0 else []
         m = Metrics(mode, k=k, per_position=[0] * k, histogram=[0] * (k + 1), batch=B)
         gen: list[list[int]] = [[] for _ in range(B)]
+
+        def pick(rows: torch.Tensor) -> torch.Tensor:
+            if T == 0:
+                return rows.argmax(-1)
+            return sample_rows(target_probs(rows, T, P), _draw(gens, 1, dev)[:, 0])
+
+        def t_step(tokens: torch.Tensor):
+            o = tgt.step(tc, tokens)
+            return o.logits, o.aux
+
+        def d_step(tokens: torch.Tensor, hidden: torch.Tensor):
+            return drf.step(dc, tokens, hidden)
+
+        # ---- prefill (ragged: the list API), then the draft over the prompt shifted by one
+        t0 = time.perf_counter()
+        out = self.target.forward(tc, [(b, p) for b, p in enumerate(prompts)])
+        root = pick(torch.stack([lg[-1].float().to(dev) for lg in out.logits]))
+        first = root.tolist()
+        done = [False] * Bp
+        for b in range(Bp):
+            if b >= B:
+                done[b] = True
+                continue
+            gen[b].append(int(first[b]))
+            tick(1)
+            done[b] = int(first[b]) in eos or max_new_tokens <= 1
+        nxt = carry = None
+        if spec:
+            res = self.draft.forward(dc, [(b, prompts[b][1:] + [int(first[b])], out.aux[b]) for b in range(Bp)])
+            nxt = self.draft.to_target(torch.stack([lg[-1] for lg, _ in res]).to(dev).argmax(-1))
+            carry = torch.stack([y[-1] for _, y in res]).to(dev)
+        m.prefill_s = time.perf_counter() - t0
+
+        # ---- decode: device state, one read back per step
+        active = torch.tensor([not d for d in done], dtype=torch.bool, device=dev)
+        ngen = torch.tensor([len(g) for g in gen] + [0] * (Bp - B), dtype=torch.long, device=dev)
+        eos_t = torch.tensor(sorted(eos) or [-1], dtype=torch.long, device=dev)
+        cols = torch.arange(k + 1, device=dev)
+        hist = torch.zeros(k + 1, dtype=torch.long, device=dev)
+        posacc = torch.zeros(k, dtype=torch.long, device=dev)
+        vtok = torch.zeros((), dtype=torch.long, device=dev)
+        t0 = time.perf_counter()
+        while not all(done):
+            Lb = tc.table.lens.clone()
+            was_active = active
+            if not spec:
+                logits, _ = runner(("target", Bp, 1), t_step, root[:, None])
+                toks = pick(logits[:, 0])[:, None]
+                a = torch.zeros(Bp, dtype=torch.long, device=dev)
+                tc.table.lens.copy_(torch.where(active, Lb + 1, Lb))
+            else:
+                drafts, c = [nxt], carry
+                for _ in range(k - 1):
+                    lg, y = runner(("draft", Bp, 1), d_step, drafts[-1][:, None], c[:, None])
+                    drafts.append(self.draft.to_target(lg[:, 0].argmax(-1)))
+                    c = y[:, 0]
+                D = torch.stack(drafts, 1)
+                logits, aux = runner(("target", Bp, k + 1), t_step, torch.cat([root[:, None], D], 1))
+                u = _draw(gens, k + 1, dev) if T > 0 else None
+                a, toks = chain_accept(logits, D, T, P, u)
+                a32 = a.to(Lb.dtype)
+                tc.table.lens.copy_(torch.where(active, Lb + a32 + 1, Lb))
+                dc.table.lens.copy_(Lb)                       # drop the speculative draft rows
+                lg, y = runner(("draft", Bp, k + 1), d_step, toks, aux)
+                dc.table.lens.copy_(torch.where(active, Lb + a32 + 1, Lb))
+                sel = a[:, None]
+                nxt = torch.where(active, self.draft.to_target(lg.gather(1, sel[:, :, None].expand(-1, 1, lg.shape[-1]))
+                                                              [:, 0].argmax(-1)), nxt)
+                carry = torch.where(active[:, None], y.gather(1, sel[:, :, None].expand(-1, 1, y.shape[-1]))[:, 0], carry)
+            root = torch.where(active, toks.gather(1, a[:, None])[:, 0], root)
+            # eos and length checks on the device
+            n = a + 1
+            valid = cols[None, :] < n[:, None]
+            is_eos = torch.isin(toks, eos_t) & valid
+            first_eos = torch.where(is_eos.any(1), is_eos.to(torch.int64).argmax(1) + 1, torch.full_like(n, k + 2))
+            cut = torch.minimum(torch.minimum(n, first_eos), (max_new_tokens - ngen).clamp(min=0))
+            cut = torch.where(active, cut, torch.zeros_like(cut))
+            ngen = ngen + cut
+            fin = active & ((is_eos & (cols[None, :] < cut[:, None])).any(1) | (ngen >= max_new_tokens))
+            active = active & ~fin
+            # metrics counters on the device (read once at the end)
+            stepped = was_active.long()
+            hist.index_add_(0, a, stepped)
+            posacc += ((cols[None, :k] < a[:, None]).long() * stepped[:, None]).sum(0)
+            vtok += ((a + 1) * stepped).sum()
+            host = torch.cat([toks, cut[:, None], fin[:, None].long()], 1).tolist()   # the one read per step
+            m.batched_forwards += 1
+            for b in range(B):
+                if done[b]:
+                    continue
+                row = host[b]
+                cb, fb = row[k + 1], row[k + 2]
+                gen[b].extend(int(t) for t in row[:cb])
+                tick(cb)
+                done[b] = bool(fb)
+        counts = [int(x) for x in torch.cat([hist, posacc, vtok[None]]).tolist()]      # one read at the end
+        m.histogram, m.per_position, m.verify_tokens = counts[:k + 1], counts[k + 1:2 * k + 1], counts[-1]
+        m.steps = sum(m.histogram)
+        m.accepted = sum(i * c for i, c in enumerate(m.histogram))
+        m.committed = sum(len(g) for g in gen) - sum(1 for g in gen if g)      # after the prefill token
+        m.decode_s = time.perf_counter() - t0
+        m.generated = sum(len(g) for g in gen)
+        return GenResult(gen, m, tc, dc)
+
+    # ------------------------------------------------------------------------------------------
+    # tree drafting: host-driven walk over the list API
+
+    def _generate_tree(self, prompts, max_new_tokens: int, params: SpecParams, eos: frozenset,
+                       tick: Callable[[int], None], seed: int) -> GenResult:
+        T, P = params.temperature, params.top_p
+        B = len(prompts)
+        gens = request_generators(seed, B) if T > 0 else [None] * B      # host walk: CPU generators
+
+        def pick(b: int, row: torch.Tensor) -> int:
+            if T == 0:
+                return int(row.argmax())
+            return int(sample_rows(target_probs(row.cpu(), T, P), _draw([gens[b]], 1, torch.device("cpu"))[0, 0]))
+
+        k = params.steps
+        cap = max(len(p) for p in prompts) + max_new_tokens + k + 2
+        cap += params.num_draft_tokens + params.topk * params.topk * params.steps
+        tc = self.target.new_cache(B, cap, self.page_size)
+        dc = self.draft.new_cache(B, cap, self.page_size)
+        m = Metrics("spec", k=k, per_position=[0] * k, histogram=[0] * (k + 1), batch=B)
+        gen: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
-        tick = progress or (lambda n: None)
 
         def commit(b: int, toks: list[int]) -> int:
             n = 0
@@ -255,88 +490,37 @@ class Engine:
             tick(n)
             return n
 
-        # ---- prefill (target, then the draft over the prompt shifted by one)
         t0 = time.perf_counter()
         out = self.target.forward(tc, [(b, list(p)) for b, p in enumerate(prompts)])
-        nxt: dict[int, int] = {}
         carry: dict[int, torch.Tensor] = {}
         root_lg: dict[int, torch.Tensor] = {}
         for b in range(B):
-            commit(b, [pick(out.logits[b][-1])])
-        if mode == "spec":
-            live = [b for b in range(B) if not done[b]]
-            if live:
-                res = self.draft.forward(dc, [(b, list(prompts[b][1:]) + [gen[b][-1]], out.aux[b]) for b in live])
-                for b, (lg, y) in zip(live, res):
-                    nxt[b] = int(self.draft.to_target(lg[-1].argmax()))
-                    carry[b] = y[-1:]
-                    root_lg[b] = lg[-1]
+            commit(b, [pick(b, out.logits[b][-1])])
+        live = [b for b in range(B) if not done[b]]
+        if live:
+            res = self.draft.forward(dc, [(b, list(prompts[b][1:]) + [gen[b][-1]], out.aux[b]) for b in live])
+            for b, (lg, y) in zip(live, res):
+                carry[b] = y[-1:]
+                root_lg[b] = lg[-1]
         m.prefill_s = time.perf_counter() - t0
-
-        # ---- decode
         t0 = time.perf_counter()
         while True:
             live = [b for b in range(B) if not done[b]]
             if not live:
                 break
-            if mode == "plain":
-                out = self.target.forward(tc, [(b, [gen[b][-1]]) for b in live])
-                m.batched_forwards += 1
-                for i, b in enumerate(live):
-                    m.steps += 1
-                    m.histogram[0] += 1
-                    m.committed += commit(b, [pick(out.logits[i][-1])])
-                continue
-            L = {b: tc.table.lengths[b] for b in live}
-            if tree:
-                ext = self._tree_round(live, L, gen, root_lg, carry, tc, dc, params, m, commit, done, rng)
-                if ext:
-                    res = self.draft.forward(dc, ext)
-                    for (b, _, _), (lg, y) in zip(ext, res):
-                        carry[b] = y[-1:]
-                        root_lg[b] = lg[-1]
-                continue
-            drafts = {b: [nxt[b]] for b in live}
-            for _ in range(k - 1):
-                res = self.draft.forward(dc, [(b, [drafts[b][-1]], carry[b]) for b in live])
-                for b, (lg, y) in zip(live, res):
-                    drafts[b].append(int(self.draft.to_target(lg[-1].argmax())))
-                    carry[b] = y[-1:]
-            out = self.target.forward(tc, [(b, [gen[b][-1]] + drafts[b]) for b in live])
-            m.batched_forwards += 1
-            ext = []
-            for i, b in enumerate(live):
-                ds = drafts[b]
-                if T == 0:
-                    pred = out.logits[i].argmax(-1).tolist()
-                    a = 0
-                    while a < k and ds[a] == pred[a]:
-                        a += 1
-                    nxt_tok = pred[a]
-                else:
-                    a, nxt_tok = sample_accept(out.logits[i], ds, T, P, rng)
-                for j in range(a):
-                    m.per_position[j] += 1
-                m.steps += 1
-                m.accepted += a
-                m.histogram[a] += 1
-                new = ds[:a] + [nxt_tok]
-                m.committed += commit(b, new)
-                tc.table.truncate(b, L[b] + a + 1)
-                dc.table.truncate(b, L[b])
-                if not done[b]:
-                    ext.append((b, new, out.aux[i][: a + 1]))
+            lens = tc.table.lengths
+            L = {b: lens[b] for b in live}
+            ext = self._tree_round(live, L, gen, root_lg, carry, tc, dc, params, m, commit, done, gens)
             if ext:
                 res = self.draft.forward(dc, ext)
                 for (b, _, _), (lg, y) in zip(ext, res):
-                    nxt[b] = int(self.draft.to_target(lg[-1].argmax()))
                     carry[b] = y[-1:]
                     root_lg[b] = lg[-1]
         m.decode_s = time.perf_counter() - t0
         m.generated = sum(len(g) for g in gen)
         return GenResult(gen, m, tc, dc)
 
-    def _tree_round(self, live, L, gen, root_lg, carry, tc, dc, params: SpecParams, m: Metrics, commit, done, rng):
+    def _tree_round(self, live, L, gen, root_lg, carry, tc, dc, params: SpecParams, m: Metrics, commit, done, gens):
         """One tree draft + verify + acceptance walk (greedy, or sampled when temperature > 0) for every
         live sequence; returns the draft extensions."""
         K, steps, N = params.topk, params.steps, params.num_draft_tokens
@@ -423,8 +607,8 @@ class Engine:
             if params.temperature == 0:
                 path, bonus = greedy_tree_accept(out.logits[i].argmax(-1).tolist(), children, row_tok)
             else:
-                path, bonus = sample_tree_accept(out.logits[i], children, row_tok, params.temperature, params.top_p,
-                                                 rng)
+                path, bonus = sample_tree_accept(out.logits[i].cpu(), children, row_tok, params.temperature,
+                                                 params.top_p, gens[b])
             rows = [0] + path
             path_toks = [row_tok[r] for r in path]
             a = len(path_toks)
@@ -434,14 +618,15 @@ class Engine:
             m.accepted += a
             m.histogram[min(a, m.k)] += 1
             m.committed += commit(b, path_toks + [bonus])
+            m.verify_tokens += a + 1
             # move the accepted rows' KV to positions L+1..L+a, drop the rest
             ps = tc.table.page_size
-            src = tc.table.slots(b, L[b], len(chosen) + 1)[torch.tensor(rows)]
+            src = tc.table.slots(b, L[b], len(chosen) + 1)[torch.tensor(rows, device=tc.table.device)]
             dst = tc.table.slots(b, L[b], a + 1)
             for kv in tc.kv:
                 kv[dst // ps, dst % ps] = kv[src // ps, src % ps].clone()
             tc.table.truncate(b, L[b] + a + 1)
             dc.table.truncate(b, L[b])
             if not done[b]:
-                ext.append((b, path_toks + [bonus], out.aux[i][torch.tensor(rows)]))
+                ext.append((b, path_toks + [bonus], out.aux[i][torch.tensor(rows, device=out.aux[i].device)]))
         return ext

@@ -48,7 +48,12 @@ def test_report_and_prompt_flag(cache_home, capsys):
     (["--backend", "cuda"], "invalid choice"),
     (["--target", "/nonexistent"], "--target and --draft go together"),
     (["--target", "/nonexistent", "--draft", "/nonexistent2"], "no such directory"),
-])
+    (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
+    (["--prompt-ids", ","], "--prompt-ids must hold at least one id"),
+    (["--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
+    (["--device", "cpu", "--graphs", "on"], "--graphs on needs a cuda device"),
+    (["--graphs", "maybe"], "invalid choice"),
+] + ([(["--device", "cuda"], "no GPU is visible")] if not torch.cuda.is_available() else []))
 def test_bad_flags(cache_home, capsys, argv, msg):
     with pytest.raises(SystemExit) as e:
         G.main(argv)
@@ -153,3 +158,16 @@ def test_other_checkpoint_formats(tmp_path, capsys, tkind, dkind):
     finally:
         torch.set_num_threads(n)
     assert json.loads(capsys.readouterr().out)["lossless"] is True
+
+
+def test_prompt_ids_and_device(cache_home, capsys):
+    """--prompt-ids gives prompts as token ids (after the --prompt texts); --device cpu is reported,
+    graphs are off there; an id outside the vocab is one line naming the flag."""
+    assert G.main(["--json", "--max-new-tokens", "3", "--prompt", "hi", "--prompt-ids", "1,2,300",
+                   "--prompt-ids", "7", "--device", "cpu"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["device"] == "cpu" and r["graphs"] == "off" and r["lossless"] is True
+    assert [o["prompt_ids"] for o in r["outputs"]][1:] == [[1, 2, 300], [7]]
+    assert r["outputs"][1]["prompt"] == "ids:1,2,300"
+    assert G.main(["--prompt-ids", "1,99999", "--max-new-tokens", "2"]) == 2
+    assert "--prompt-ids: token id 99999 outside the vocab" in capsys.readouterr().err

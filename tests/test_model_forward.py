@@ -62,9 +62,12 @@ def test_aux_capture_is_input_of_documented_layers(pair):
     out = m.forward(m.new_cache(1, 8), [(0, toks)])
     from ops.rope import cos_sin
 
+    from models.step import make_ctx
+
     cos, sin = cos_sin(torch.arange(6), m.cfg.qk_rope_head_dim, m.cfg.rope_theta, m.rope_scaling)
     cache = m.new_cache(1, 8)
-    segs = [(0, 0, 6, 0)]
+    cache.table.reserve(0, 6)
+    segs = make_ctx(cache.table, 1, 6)
     h = m.embed[torch.tensor(toks)]
     inputs = []
     for i, (n1, attn, n2, mlp) in enumerate(m.layers):

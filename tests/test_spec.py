@@ -357,3 +357,48 @@ def test_mla_draft_spec_equals_plain(pair, plain, params, tmp_path_factory):
     d = tiny_mla_draft(tmp_path_factory.getbasetemp() / "models_fx", tk)
     r = Engine(m, d).generate(PROMPTS, MAX_NEW, "spec", params)
     assert r.outputs == plain.outputs
+
+
+def test_accept_length_counts_truncated_verify_commits(pair, plain):
+    """An oracle draft accepts all k=3 drafts every step, so each verify commits 4 tokens; with
+    max_new_tokens = 1 + 4 + 4 + 2 the last step's output is cut to 2, yet the step committed 4:
+    accept length is the histogram's mean + 1 = 4.0 (counting output tokens would give 3.33)."""
+    _, _, m, _ = pair
+    refs = [p + o for p, o in zip(PROMPTS, plain.outputs)]
+    r = Engine(m, ScriptedDraft(refs, m.vocab_size)).generate(PROMPTS, 11, "spec", SpecParams(steps=3))
+    assert r.outputs == [o[:11] for o in plain.outputs]
+    met = r.metrics
+    assert met.histogram == [0, 0, 0, met.steps] and met.steps == 3 * len(PROMPTS)
+    mean_hist = sum(i * c for i, c in enumerate(met.histogram)) / met.steps
+    assert met.accept_length == mean_hist + 1 == 4.0
+    assert met.committed == 10 * len(PROMPTS)              # output tokens after prefill: truncated
+
+
+@pytest.mark.parametrize("mode,params", [("plain", SpecParams(temperature=0.8)),
+                                         ("spec", SpecParams(steps=2, temperature=0.8))])
+def test_sampling_per_request_is_batch_independent(pair, mode, params):
+    """Request i samples from its own generator seeded from (seed, i): the same prompt at the same
+    index gives the same sampled tokens alone or with other requests; another seed differs."""
+    _, _, m, d = pair
+    e = Engine(m, d)
+    alone = e.generate([PROMPTS[0]], 8, mode, params, seed=7).outputs[0]
+    batched = e.generate([PROMPTS[0], PROMPTS[1], PROMPTS[3]], 8, mode, params, seed=7).outputs[0]
+    assert alone == batched
+    others = [e.generate([PROMPTS[0]], 8, mode, params, seed=s).outputs[0] for s in (8, 9)]
+    assert any(o != alone for o in others)
+
+
+@pytest.mark.parametrize("mode,k", [("plain", 0), ("spec", 3)])
+def test_static_graph_buffers_match_eager(pair, plain, mode, k):
+    """The graph protocol run eagerly on CPU (StepGraphs 'static'): batch 3 padded to the bucket of 4,
+    inputs copied into static buffers per (step, bucket, q_len); tokens identical to eager decoding."""
+    _, _, m, d = pair
+    e = Engine(m, d, graphs="static")
+    r = e.generate(PROMPTS[:3], MAX_NEW, mode, SpecParams(steps=max(k, 1)))
+    assert r.outputs == plain.outputs[:3]
+    keys = set(e.last_graphs.entries)
+    if mode == "plain":
+        assert keys == {("target", 4, 1)}
+    else:
+        assert keys == {("draft", 4, 1), ("target", 4, k + 1), ("draft", 4, k + 1)}
+    assert r.target_cache.table.batch == 4
