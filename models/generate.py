@@ -308,8 +308,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="target layers to capture for the draft, e.g. 2,4,5 (taken as given: the residual stream "
                          "entering each layer; repeats allowed); default: the draft config's "
                          "eagle_aux_hidden_state_layer_ids, else (2, N//2, N-3)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks (launch with `torchrun --nproc-per-node N -m models.generate --tp N`)")
+    ap.add_argument("--moe-parallel", choices=("ep", "tp"), default="ep",
+                    help="with --tp > 1: routed experts split whole across ranks (ep) or each expert's "
+                         "intermediate split (tp)")
     a = ap.parse_args(argv)
     _validate_args(ap, a)
+    _validate_parallel(ap, a)
     a.prompt_id_lists = [_ids(ap, x) for x in (a.prompt_ids or [])]
     a.device = _device(ap, a.device)
     if a.graphs is None:
@@ -377,14 +383,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         tdir, ddir = _checkpoint_dir(a.target, "--target"), _checkpoint_dir(a.draft, "--draft")
     _check_model_bounds(a, tdir, ddir, params.num_draft_tokens)
     t0 = time.perf_counter()
-    tk = load_target(tdir)
+    tk, comm = _load_target_ranked(a, tdir)
     dk = load_draft(ddir, tk.config, aux_ids=getattr(a, "aux_ids_list", None))
     capture, aux_src = resolve_capture_ids(a, tk.config, dk.config)
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     elif tk.config.hidden_size <= 1024:
         torch.set_num_threads(1)               # tiny model: thread overhead dominates
-    target = KimiModel(tk, backend=a.backend, capture_ids=capture, device=a.device)
+    target = KimiModel(tk, backend=a.backend, capture_ids=capture, device=a.device, comm=comm)
     draft = Eagle3Draft(dk, target_embed=tk.get("model.embed_tokens.weight"),
                         target_hidden=tk.config.hidden_size, backend=a.backend, device=a.device)
     load_s = time.perf_counter() - t0
@@ -429,7 +435,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "tokens_per_s_spec": ms.tokens_per_s, "tokens_per_s_plain": mp.tokens_per_s,
         "tpot_ms_spec": ms.time_per_output_token_ms, "tpot_ms_plain": mp.time_per_output_token_ms,
         "prefill_s_spec": ms.prefill_s, "prefill_s_plain": mp.prefill_s,
-        "prompts": texts,
+        "prompts": texts, "tp": comm.world, "moe_parallel": a.moe_parallel, "collective_bytes": dict(comm.bytes),
+        "collective_calls": dict(comm.calls),
         "outputs": [{"prompt": t, "prompt_ids": pi, "spec_ids": s, "plain_ids": p, "spec_text": tok.decode(s),
                      "plain_text": tok.decode(p)} for t, pi, s, p in zip(texts, prompts, spec.outputs, plain.outputs)],
     }
@@ -480,9 +487,53 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except (ValueError, KeyError, OSError, RuntimeError) as e:   # config / checkpoint / tokenizer / file errors
         print(f"error: {_one_line(e)}", file=sys.stderr)
+        _leave_group()
         return 2
-    print(json.dumps(_json_safe(r), allow_nan=False) if a.json else report(r))
+    if int(os.environ.get("RANK", "0")) == 0:          # tensor parallel: only rank 0 prints
+        print(json.dumps(_json_safe(r), allow_nan=False) if a.json else report(r))
+    _leave_group()
     return 1 if r["lossless"] is False else 0
+
+
+def _validate_parallel(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """--tp within [1, 1024] and equal to the launched world size; each rank on its own GPU."""
+    if not 1 <= a.tp <= 1024:
+        ap.error(f"--tp must be in [1, 1024], got {a.tp}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if a.tp != world:
+        ap.error(f"--tp {a.tp} does not match the {world} launched process(es) (launch with "
+                 f"`torchrun --nproc-per-node {a.tp} -m models.generate --tp {a.tp}`)")
+
+
+def _load_target_ranked(a: argparse.Namespace, tdir: Path):
+    """(checkpoint, models.parallel.Comm): the whole target at --tp 1, else this rank's shard (read as
+    slices of the memory maps). A rank that fails names itself and the tensor; every rank then learns
+    of it through an all-reduce of an ok flag (the process group has a timeout) and stops."""
+    from models.loader import load_sharded, load_target
+    from models.parallel import init_from_env
+
+    if a.tp == 1:
+        return load_target(tdir), init_from_env(1, a.moe_parallel)
+    if a.device.type == "cuda":
+        a.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(a.device)
+    comm = init_from_env(a.tp, a.moe_parallel, a.device)
+    err, ck = None, None
+    try:
+        ck = load_sharded(tdir, comm.plan)
+    except (ValueError, KeyError, OSError, RuntimeError) as e:
+        err = f"rank {comm.rank} failed to load its shard: {_one_line(e)}"
+    if not comm.all_ok(err is None, a.device):
+        raise RuntimeError(err or f"rank {comm.rank}: another rank failed to load its shard; stopping")
+    return ck, comm
+
+
+def _leave_group() -> None:
+    """Tear the process group down (torchrun ranks) so every rank exits without a warning or a hang."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
