@@ -415,7 +415,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     results = {}
     for mode in ("spec", "plain"):
         with tqdm(total=n * a.max_new_tokens, desc=f"{mode} ({a.backend})", unit="tok", file=sys.stderr,
-                  leave=False, disable=False) as bar:
+                  leave=False, disable=int(os.environ.get("RANK", "0")) != 0) as bar:
             results[mode] = engine.generate(prompts, a.max_new_tokens, mode, params, eos_id=eos, progress=bar.update,
                                             seed=a.seed)
     spec, plain = results["spec"], results["plain"]
