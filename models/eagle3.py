@@ -186,13 +186,13 @@ class Eagle3Draft:
         views[i] (tree drafting, optional): (positions [n], visible bool [n, len_b + n]): explicit rope
         positions and which cached rows (incl. the new ones) each new row attends to."""
         dev = self.device
-        lens = cache.table.lengths
-        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        lens = list(cache.table.lengths)
         chunk = 1 << 30
         if self.backend == "triton":
             from ops.mla import MAX_Q_LEN
 
             chunk = MAX_Q_LEN
+        prep = []          # (slot, tokens, hidden [n, W], positions or None, window [n, TW] or None)
         for i, (b, t, hid) in enumerate(batch):
             t = [int(x) for x in t]
             if hid.shape[0] != len(t):
@@ -200,10 +200,8 @@ class Eagle3Draft:
             cache.table._check(b)
             start = lens[b]
             cache.table.reserve(b, start + len(t))
-            seqs = torch.tensor([b], dtype=torch.long, device=dev)
-            toks = torch.tensor([t], dtype=torch.long, device=dev)
-            hid = hid.to(dev)[None]
             vw = views[i] if views is not None else None
+            pos = win = None
             if vw is not None:
                 vis = vw[1].bool().cpu()
                 n = len(t)
@@ -211,9 +209,40 @@ class Eagle3Draft:
                     raise ValueError(f"draft forward: view of slot {b} must be [{n}, {start + n}], got {tuple(vis.shape)}")
                 hidden_cols = (~vis).any(0).nonzero()           # window: from the first column a row cannot see
                 wb = min(start, int(hidden_cols[0])) if hidden_cols.numel() else start
-                pos = torch.as_tensor([int(p) for p in vw[0]], dtype=torch.long, device=dev)[None]
-                out.append(tuple(x[0] for x in self.step(cache, toks, hid, seqs, pos, vis[:, wb:].to(dev)[None])))
-                continue
-            parts = [self.step(cache, toks[:, j:j + chunk], hid[:, j:j + chunk], seqs) for j in range(0, len(t), chunk)]
-            out.append((torch.cat([p[0][0] for p in parts], 0), torch.cat([p[1][0] for p in parts], 0)))
-        return out
+                pos, win = [int(p) for p in vw[0]], vis[:, wb:]
+            prep.append((b, t, hid, pos, win))
+        # one step per group of entries with the same length and window width (tree steps of one depth)
+        groups: dict[tuple, list[int]] = {}
+        repeated = len({p[0] for p in prep}) < len(prep)         # a slot twice: keep the call order, one by one
+        for i, (b, t, hid, pos, win) in enumerate(prep):
+            key = (len(t), None if win is None else win.shape[1], hid.shape[-1]) + ((i,) if repeated else ())
+            groups.setdefault(key, []).append(i)
+        res: list = [None] * len(prep)
+        for (n, tw, *_), idx in groups.items():
+            for part in _distinct_slots(idx, [prep[i][0] for i in idx]):
+                seqs = torch.tensor([prep[i][0] for i in part], dtype=torch.long, device=dev)
+                toks = torch.tensor([prep[i][1] for i in part], dtype=torch.long, device=dev)
+                hid = torch.stack([prep[i][2].to(dev) for i in part])
+                if tw is not None:
+                    pos = torch.tensor([prep[i][3] for i in part], dtype=torch.long, device=dev)
+                    win = torch.stack([prep[i][4] for i in part]).to(dev)
+                    lg, y = self.step(cache, toks, hid, seqs, pos, win)
+                else:
+                    outs = [self.step(cache, toks[:, j:j + chunk], hid[:, j:j + chunk], seqs) for j in range(0, n, chunk)]
+                    lg, y = torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 1)
+                for r, i in enumerate(part):
+                    res[i] = (lg[r], y[r])
+        return res
+
+
+def _distinct_slots(idx: list[int], slots: list[int]) -> list[list[int]]:
+    """Split idx (in order) so that no part holds one cache slot twice."""
+    parts: list[list[int]] = [[]]
+    seen: set = set()
+    for i, b in zip(idx, slots):
+        if b in seen:
+            parts.append([])
+            seen = set()
+        parts[-1].append(i)
+        seen.add(b)
+    return parts

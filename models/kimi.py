@@ -453,6 +453,8 @@ def _groups(entries: list) -> list[list[int]]:
     """Indices of entries that can share one uniform step: same length, and all chains or all trees."""
     by_len: dict[tuple, list[int]] = {}
     out: list[list[int]] = []
+    if len({e[0] for e in entries}) < len(entries):             # a slot twice: keep the call order, one by one
+        return [[i] for i in range(len(entries))]
     for i, (b, t, tr) in enumerate(entries):
         by_len.setdefault((len(t), tr is not None), []).append(i)
     seen_slots: set = set()

@@ -95,9 +95,10 @@ def concat_weights(ws: list[Weight]) -> Optional[Weight]:
     if not all(isinstance(w, QuantLinear) for w in ws):
         return None
     a = ws[0]
-    if any((w.kind, w.pack, w.group, w.source, w.shape[1], w.scale.dtype) !=
-           (a.kind, a.pack, a.group, a.source, a.shape[1], a.scale.dtype) or w.input_scale is not None for w in ws):
-        return None
+    if any((w.kind, w.pack, w.group, w.source, w.shape[1], w.scale.dtype, w.scale.dim()) !=
+           (a.kind, a.pack, a.group, a.source, a.shape[1], a.scale.dtype, a.scale.dim()) or w.input_scale is not None
+           or w.scale.shape[0] != w.shape[0] or w.packed.shape[0] != w.shape[0] for w in ws):
+        return None                            # only per-row data (scales per output row) stacks along N
     from dataclasses import replace
 
     return replace(a, packed=torch.cat([w.packed for w in ws], 0), scale=torch.cat([w.scale for w in ws], 0),

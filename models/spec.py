@@ -598,6 +598,7 @@ class Engine:
         out = self.target.forward(tc, vbatch, trees=trees)
         m.batched_forwards += 1
         ext = []
+        moves = []
         for i, b in enumerate(live):
             nd = nodes[b]
             chosen, idx = picked[b]
@@ -622,15 +623,18 @@ class Engine:
             m.committed += commit(b, path_toks + [bonus])
             m.verify_tokens += a + 1
             # move the accepted rows' KV to positions L+1..L+a, drop the rest
-            ps = tc.table.page_size
-            src = tc.table.slots(b, L[b], len(chosen) + 1)[torch.tensor(rows, device=tc.table.device)]
-            dst = tc.table.slots(b, L[b], a + 1)
-            for kv in tc.kv:
-                kv[dst // ps, dst % ps] = kv[src // ps, src % ps].clone()
+            moves.append((tc.table.slots(b, L[b], len(chosen) + 1)[torch.tensor(rows, device=tc.table.device)],
+                          tc.table.slots(b, L[b], a + 1)))
             tc.table.truncate(b, L[b] + a + 1)
             dc.table.truncate(b, L[b])
             if not done[b]:
                 ext.append((b, path_toks + [bonus], out.aux[i][torch.tensor(rows, device=out.aux[i].device)]))
+        if moves:                              # one gather + scatter per layer for the whole batch
+            ps = tc.table.page_size
+            src = torch.cat([mv[0] for mv in moves])
+            dst = torch.cat([mv[1] for mv in moves])
+            for kv in tc.kv:
+                kv[dst // ps, dst % ps] = kv[src // ps, src % ps].clone()
         return ext
 
 

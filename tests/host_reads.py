@@ -11,7 +11,6 @@ on a GPU that is device work. Each event is attributed to the innermost frame in
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 from dataclasses import dataclass
 
