@@ -516,7 +516,7 @@ def load_checkpoint(path: Union[str, Path], *, arch: Optional[str] = None, dtype
         weights[n] = t.to(device)
     ck = Checkpoint(root, cfg, weights, skipped)
     if shard is not None:
-        ck.shard, ck.bytes_read = shard, sh.bytes_read  # type: ignore[attr-defined]
+        ck.shard, ck.bytes_read, ck.read_log = shard, sh.bytes_read, sh.read_log  # type: ignore[attr-defined]
         if validate:
             _validate_sharded(cfg, weights, shard)
     elif validate:
@@ -642,6 +642,7 @@ class _SlicedShards(_Shards):
         super().__init__(where)
         self.plan = plan
         self.bytes_read = 0
+        self.read_log: dict[str, int] = {}      # normalized name -> bytes read
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.where:
@@ -666,6 +667,7 @@ class _SlicedShards(_Shards):
             t = t.clone()
             t[dim] = t[dim] // N                  # the logical shape of this rank's slice
         self.bytes_read += t.numel() * t.element_size()
+        self.read_log[name] = t.numel() * t.element_size()
         self.left[p] -= 1
         if self.left[p] == 0:
             self.open.pop(p, None)
