@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["MOE_MODES", "ShardPlan", "Comm", "single", "init_from_env", "ParallelError"]
+__all__ = ["MOE_MODES", "ShardPlan", "Comm", "single", "init_from_env", "ParallelError", "step_collective_bytes"]
 
 MOE_MODES = ("ep", "tp")
 
@@ -102,6 +102,11 @@ class ShardPlan:
         for k, v in sizes.items():
             if v % self.world:
                 raise ParallelError(f"config field {k!r} = {v} is not divisible by --tp {self.world}")
+        q = getattr(cfg, "quantization", None)
+        g = getattr(q, "group_size", None) or 0
+        if self.moe == "tp" and cfg.n_routed_experts and g and (cfg.moe_intermediate_size // self.world) % g:
+            raise ParallelError(f"--moe-parallel tp: moe_intermediate_size {cfg.moe_intermediate_size} / {self.world} "
+                                f"ranks is not a whole number of quantization groups ({g}); use --moe-parallel ep")
 
     def attn_config(self, cfg: Any) -> Any:
         """The config one rank's MLA runs with: H/N heads (every other field as given)."""
@@ -155,6 +160,10 @@ class Comm:
 
         x = x.contiguous()
         self._count("all_gather", x)
+        if x.is_cuda:                          # one flat NCCL launch (capturable), then [N, ..., V/N] -> [..., V]
+            flat = torch.empty((self.world, *x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(flat, x, group=self.group)
+            return flat.movedim(0, -2).reshape(*x.shape[:-1], self.world * x.shape[-1])
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, -1)
@@ -205,3 +214,16 @@ def init_from_env(tp: int, moe: str = "ep", device: Optional[torch.device] = Non
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return Comm(ShardPlan(rank, world, moe))
+
+
+def step_collective_bytes(cfg: Any, tokens: int, world: int, act_bytes: int = 2) -> dict[str, int]:
+    """Bytes each rank hands to the collectives in one target step over `tokens` rows (B x q_len), as
+    `Comm` counts them: two all-reduces of [tokens, hidden] per layer (after o_proj, after the MLP /
+    MoE) in the activation dtype (`act_bytes`: 2 for bf16) and the all-gather of the float32 logits
+    slice [tokens, V/N]. Zero at world size 1. For a bench's link-time estimate (an all-reduce moves
+    about 2 (N-1)/N of its payload per rank over a ring)."""
+    if world == 1:
+        return {"all_reduce": 0, "all_gather": 0, "all_reduce_calls": 0}
+    ar = 2 * cfg.num_hidden_layers * tokens * cfg.hidden_size * act_bytes
+    ag = tokens * (cfg.vocab_size // world) * 4
+    return {"all_reduce": ar, "all_gather": ag, "all_reduce_calls": 2 * cfg.num_hidden_layers}

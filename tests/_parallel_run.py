@@ -54,6 +54,11 @@ def main(argv: list[str]) -> int:
         r = eng.generate(PROMPTS, a.new, mode, p, seed=7)
         out["cases"][name] = r.outputs
     out["collective_bytes"] = dict(comm.bytes)
+    comm.reset_counts()                                   # one target step of 1 x 3 rows: what it moves
+    cache = target.new_cache(1, 16)
+    cache.table.reserve_all(16)
+    target.step(cache, torch.tensor([[1, 2, 3]]))
+    out["one_step"] = dict(comm.bytes)
     if comm.rank == 0:
         with open(a.out, "w") as f:
             json.dump(out, f)

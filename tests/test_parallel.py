@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from models.fixtures import write_fixture
 from models.loader import load_sharded, load_target
-from models.parallel import Comm, ParallelError, ShardPlan, single
+from models.parallel import Comm, ParallelError, ShardPlan, single, step_collective_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 150
@@ -104,6 +104,9 @@ def test_plan_refuses_indivisible_sizes(pair):
     cfg = load_target(pair[0]).config
     with pytest.raises(ParallelError, match="num_attention_heads"):
         ShardPlan(0, 3).check(cfg)
+    with pytest.raises(ParallelError, match="quantization groups"):    # int4 group 32, intermediate 32
+        ShardPlan(0, 2, "tp").check(cfg)
+    ShardPlan(0, 2, "ep").check(cfg)
 
 
 def test_world_one_collectives_are_noops():
@@ -153,6 +156,7 @@ def test_loader_reads_only_its_shard(pair, world, moe):
 # ---------------------------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_give_the_single_process_tokens(pair, single_run, tmp_path, world):
     t, d = pair
@@ -161,8 +165,15 @@ def test_ranks_give_the_single_process_tokens(pair, single_run, tmp_path, world)
     for name, outs in single_run["cases"].items():
         assert got["cases"][name] == outs, name
     assert got["collective_bytes"]["all_reduce"] > 0 and got["collective_bytes"]["broadcast"] > 0
+    # the static per-step figure a bench reads equals what one counted step moved (float32 on torch)
+    cfg = load_target(t).config
+    want = step_collective_bytes(cfg, tokens=3, world=world, act_bytes=4)
+    assert got["one_step"]["all_reduce"] == want["all_reduce"]
+    assert got["one_step"]["all_gather"] == want["all_gather"] and got["one_step"]["broadcast"] == 0
+    assert single_run["one_step"] == {"all_reduce": 0, "all_gather": 0, "broadcast": 0}
 
 
+@pytest.mark.slow
 def test_tensor_parallel_experts(pair, tmp_path):
     t = pair[0].parent / "bf16"
     if not (t / "config.json").exists():
@@ -173,6 +184,7 @@ def test_tensor_parallel_experts(pair, tmp_path):
     assert got["cases"] == ref["cases"]
 
 
+@pytest.mark.slow
 def test_cli_tp2_json_equals_single_process(pair):
     t, d = pair
     args = ["-m", "models.generate", "--target", str(t), "--draft", str(d), "--json", "--max-new-tokens", "6",
@@ -194,6 +206,7 @@ def test_cli_tp_must_match_the_launch(pair):
     assert p.stderr.count("\n") == 1 and "--tp 2 does not match" in p.stderr
 
 
+@pytest.mark.slow
 def test_failing_rank_is_named_and_the_others_stop(pair, tmp_path):
     """Rank 1 (experts 8..15 under EP) meets a NaN quantization scale; rank 0 never reads that tensor,
     learns of the failure from the ok-flag all-reduce and stops too."""
@@ -217,3 +230,4 @@ def test_failing_rank_is_named_and_the_others_stop(pair, tmp_path):
     assert p.returncode != 0
     assert "rank 1 failed to load its shard: tensor 'model.layers.1.mlp.experts.12.up_proj.weight'" in p.stderr
     assert "rank 0: another rank failed to load its shard" in p.stderr
+
