@@ -291,7 +291,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--top-p", type=_finite_float("--top-p"), default=1.0,
                     help="nucleus of the target distribution when sampling, in (0, 1]")
     ap.add_argument("--backend", choices=("torch", "triton"), default="torch",
-                    help="torch: float32 reference math; triton: the kdsl kernels (interpreter on CPU)")
+                    help="torch: float32 reference math; triton: the kdsl kernels (on the GPU with a cuda "
+                         "--device, the interpreter on cpu)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=None, help="number of sequences (prompts are cycled)")
     ap.add_argument("--prompt", action="append", help="prompt text (repeatable)")
@@ -301,7 +302,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="cpu | cuda | cuda:N (default: cuda when a GPU is present, else cpu)")
     ap.add_argument("--graphs", choices=("on", "off"), default=None,
                     help="capture decode/verify/draft steps as CUDA graphs (default: on for cuda, off on cpu)")
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i draws from its own generator seeded from (seed, i))")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 for tiny models)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     ap.add_argument("--aux-ids", default=None,
