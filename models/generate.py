@@ -240,6 +240,8 @@ def _check_model_bounds(a: argparse.Namespace, tdir: Path, ddir: Path, num_draft
         weights = 4 * (tc.param_count() + dc.param_count())
     else:                                                        # kept as stored
         weights = sum(f.stat().st_size for d in (tdir, ddir) for f in d.glob("*.safetensors") if f.is_file())
+    if getattr(a, "tp", 1) > 1:                                  # tensor parallel: about 1/N of it per rank
+        weights //= a.tp
     device = str(getattr(a, "device", None) or "cpu")
     if device != "cpu":
         # caches and weights live on the device: bound by its free memory when it can be asked
@@ -319,6 +321,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     _validate_parallel(ap, a)
     a.prompt_id_lists = [_ids(ap, x) for x in (a.prompt_ids or [])]
     a.device = _device(ap, a.device)
+    _rank_device(a)
     if a.graphs is None:
         a.graphs = "on" if a.device.type == "cuda" else "off"
     elif a.graphs == "on" and a.device.type != "cuda":
@@ -506,6 +509,12 @@ def _validate_parallel(ap: argparse.ArgumentParser, a: argparse.Namespace) -> No
                  f"`torchrun --nproc-per-node {a.tp} -m models.generate --tp {a.tp}`)")
 
 
+def _rank_device(a: argparse.Namespace) -> None:
+    """Under torchrun with --tp > 1, `--device cuda` means this rank's GPU, cuda:$LOCAL_RANK."""
+    if a.tp > 1 and a.device.type == "cuda" and a.device.index is None:
+        a.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def _load_target_ranked(a: argparse.Namespace, tdir: Path):
     """(checkpoint, models.parallel.Comm): the whole target at --tp 1, else this rank's shard (read as
     slices of the memory maps). A rank that fails names itself and the tensor; every rank then learns
@@ -516,7 +525,6 @@ def _load_target_ranked(a: argparse.Namespace, tdir: Path):
     if a.tp == 1:
         return load_target(tdir), init_from_env(1, a.moe_parallel)
     if a.device.type == "cuda":
-        a.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(a.device)
     comm = init_from_env(a.tp, a.moe_parallel, a.device)
     err, ck = None, None
