@@ -26,6 +26,9 @@ step tensor; the triton backend runs its kernels on the GPU there (the interpret
 --graphs on (default on a GPU) captures the decode, verify and draft steps as CUDA graphs per padded
 batch bucket. --prompt-ids 1,2,3 (repeatable) gives a prompt as token ids. With --temperature > 0
 each prompt samples from its own generator seeded from (--seed, prompt index).
+Parallel: `torchrun --nproc-per-node N -m models.generate --tp N [--moe-parallel ep|tp]` runs one rank
+per process (models.parallel: MLA by heads, experts by expert or by intermediate, vocab-parallel
+lm_head, the draft replicated); each rank loads only its shard and only rank 0 prints.
 """
 from __future__ import annotations
 
