@@ -187,6 +187,7 @@ class Eagle3Draft:
         positions and which cached rows (incl. the new ones) each new row attends to."""
         dev = self.device
         lens = list(cache.table.lengths)
+        cap = cache.table.capacity
         chunk = 1 << 30
         if self.backend == "triton":
             from ops.mla import MAX_Q_LEN
@@ -212,26 +213,44 @@ class Eagle3Draft:
                 pos, win = [int(p) for p in vw[0]], vis[:, wb:]
             prep.append((b, t, hid, pos, win))
         # one step per group of entries with the same length and window width (tree steps of one depth)
+        # chains right-padded to the longest (a padding row follows its sequence's real rows, so causal
+        # attention never shows it to them; lengths are set to the real ones afterwards)
         groups: dict[tuple, list[int]] = {}
         repeated = len({p[0] for p in prep}) < len(prep)         # a slot twice: keep the call order, one by one
+        P = max([len(p[1]) for p in prep if p[4] is None] or [0])
+        pad_ok = all(lens[p[0]] + P <= cap for p in prep if p[4] is None)
         for i, (b, t, hid, pos, win) in enumerate(prep):
-            key = (len(t), None if win is None else win.shape[1], hid.shape[-1]) + ((i,) if repeated else ())
+            n = len(t) if (win is not None or not pad_ok) else -1
+            key = (n, None if win is None else win.shape[1], hid.shape[-1]) + ((i,) if repeated else ())
             groups.setdefault(key, []).append(i)
         res: list = [None] * len(prep)
         for (n, tw, *_), idx in groups.items():
             for part in _distinct_slots(idx, [prep[i][0] for i in idx]):
                 seqs = torch.tensor([prep[i][0] for i in part], dtype=torch.long, device=dev)
-                toks = torch.tensor([prep[i][1] for i in part], dtype=torch.long, device=dev)
-                hid = torch.stack([prep[i][2].to(dev) for i in part])
+                width = max(len(prep[i][1]) for i in part)
+                if repeated:
+                    lens = list(cache.table.lengths)
+                for i in part:
+                    cache.table.reserve(prep[i][0], lens[prep[i][0]] + width)
+                toks = torch.tensor([prep[i][1] + [0] * (width - len(prep[i][1])) for i in part], dtype=torch.long,
+                                    device=dev)
+                hid = torch.stack([torch.cat([prep[i][2].to(dev), prep[i][2].new_zeros(width - len(prep[i][1]),
+                                                                                         prep[i][2].shape[-1]).to(dev)])
+                                   for i in part])
                 if tw is not None:
                     pos = torch.tensor([prep[i][3] for i in part], dtype=torch.long, device=dev)
                     win = torch.stack([prep[i][4] for i in part]).to(dev)
                     lg, y = self.step(cache, toks, hid, seqs, pos, win)
                 else:
-                    outs = [self.step(cache, toks[:, j:j + chunk], hid[:, j:j + chunk], seqs) for j in range(0, n, chunk)]
+                    outs = [self.step(cache, toks[:, j:j + chunk], hid[:, j:j + chunk], seqs)
+                            for j in range(0, toks.shape[1], chunk)]
                     lg, y = torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 1)
+                    if any(len(prep[i][1]) < toks.shape[1] for i in part):
+                        cache.table.lens[seqs] = torch.tensor([lens[prep[i][0]] + len(prep[i][1]) for i in part],
+                                                              dtype=torch.int32, device=dev)
                 for r, i in enumerate(part):
-                    res[i] = (lg[r], y[r])
+                    k = len(prep[i][1])
+                    res[i] = (lg[r, :k], y[r, :k])
         return res
 
 

@@ -400,7 +400,7 @@ class KimiModel:
         len_b + depths[j] and sees the cached prefix plus the new rows marked in mask[j] (ancestors and
         itself). Returns float32 logits [n_b, V] and aux [n_b, len(capture_ids) * H] per entry."""
         entries = []
-        lens = cache.table.lengths
+        lens = list(cache.table.lengths)
         for i, (b, t) in enumerate(batch):
             t = [int(x) for x in t]
             if not t:
@@ -413,27 +413,40 @@ class KimiModel:
                 if len(depths) != len(t) or tuple(mask.shape) != (len(t), len(t)):
                     raise ValueError(f"forward: tree for slot {b} must have {len(t)} depths and a [{len(t)}, {len(t)}] mask")
             cache.table._check(b)
-            cache.table.reserve(b, lens[b] + len(t))
             entries.append((b, t, tr))
         dev = self.device
         res: list[Optional[StepOutput]] = [None] * len(entries)
-        hid: list[Optional[torch.Tensor]] = [None] * len(entries)
         chunk = _chunk_len(self.backend)
-        for group in _groups(entries):
+        for group in _groups(entries, [lens[e[0]] for e in entries], cache.table.capacity):
             seqs = torch.tensor([entries[g][0] for g in group], dtype=torch.long, device=dev)
-            toks = torch.tensor([entries[g][1] for g in group], dtype=torch.long, device=dev)
+            lens = list(cache.table.lengths) if len(group) < len(entries) else lens
+            for g in group:
+                cache.table.reserve(entries[g][0], lens[entries[g][0]] + len(entries[g][1]))
             if entries[group[0]][2] is not None:
                 trs = [entries[g][2] for g in group]
+                toks = torch.tensor([entries[g][1] for g in group], dtype=torch.long, device=dev)
                 d = torch.tensor([[int(x) for x in tr[0]] for tr in trs], dtype=torch.long, device=dev)
                 mk = torch.stack([tr[1].bool().cpu() for tr in trs]).to(dev)
                 outs = [self.step(cache, toks, seqs, (d, mk))]
             else:
-                outs = [self.step(cache, toks[:, j:j + chunk], seqs) for j in range(0, toks.shape[1], chunk)]
+                # right-padded to the longest entry: a padding row sits after its sequence's real rows, so
+                # causal attention never shows it to them; the lengths are set to the real ones afterwards
+                n = [len(entries[g][1]) for g in group]
+                P = max(n)
+                for g in group:
+                    cache.table.reserve(entries[g][0], lens[entries[g][0]] + P)
+                toks = torch.tensor([entries[g][1] + [0] * (P - len(entries[g][1])) for g in group], dtype=torch.long,
+                                    device=dev)
+                outs = [self.step(cache, toks[:, j:j + chunk], seqs) for j in range(0, P, chunk)]
+                if min(n) < P:
+                    cache.table.lens[seqs] = torch.tensor([lens[entries[g][0]] + len(entries[g][1]) for g in group],
+                                                          dtype=torch.int32, device=dev)
             lg = torch.cat([o.logits for o in outs], 1)
             ax = None if outs[0].aux is None else torch.cat([o.aux for o in outs], 1)
             hs = torch.cat([o.hidden.view(len(group), -1, o.hidden.shape[-1]) for o in outs], 1)
             for r, g in enumerate(group):
-                res[g] = StepOutput(lg[r], None if ax is None else ax[r], hs[r])
+                k = len(entries[g][1])
+                res[g] = StepOutput(lg[r, :k], None if ax is None else ax[r, :k], hs[r, :k])
         out = TargetOutput([o.logits for o in res], [o.aux for o in res])
         if keep_hidden:
             out.hidden = torch.cat([o.hidden for o in res], 0)  # type: ignore[attr-defined]
@@ -449,22 +462,26 @@ def _chunk_len(backend: str) -> int:
     return 1 << 30
 
 
-def _groups(entries: list) -> list[list[int]]:
-    """Indices of entries that can share one uniform step: same length, and all chains or all trees."""
-    by_len: dict[tuple, list[int]] = {}
-    out: list[list[int]] = []
-    if len({e[0] for e in entries}) < len(entries):             # a slot twice: keep the call order, one by one
+def _groups(entries: list, starts: list[int], capacity: int) -> list[list[int]]:
+    """Indices of entries that share one step: every chain entry (right-padded to the longest, when each
+    sequence has room for it), and the tree entries per tree size. A slot named twice keeps the call
+    order, one entry per step."""
+    if len({e[0] for e in entries}) < len(entries):
         return [[i] for i in range(len(entries))]
-    for i, (b, t, tr) in enumerate(entries):
-        by_len.setdefault((len(t), tr is not None), []).append(i)
-    seen_slots: set = set()
-    for idx in by_len.values():
-        cur: list[int] = []
-        for i in idx:                                # a slot appears at most once per step
-            if entries[i][0] in seen_slots and any(entries[j][0] == entries[i][0] for j in cur):
-                out.append(cur)
-                cur = []
-            cur.append(i)
-            seen_slots.add(entries[i][0])
-        out.append(cur)
+    chains = [i for i, e in enumerate(entries) if e[2] is None]
+    out: list[list[int]] = []
+    if chains:
+        P = max(len(entries[i][1]) for i in chains)
+        if all(starts[i] + P <= capacity for i in chains):
+            out.append(chains)
+        else:
+            by_len: dict[int, list[int]] = {}
+            for i in chains:
+                by_len.setdefault(len(entries[i][1]), []).append(i)
+            out.extend(by_len.values())
+    trees: dict[int, list[int]] = {}
+    for i, e in enumerate(entries):
+        if e[2] is not None:
+            trees.setdefault(len(e[1]), []).append(i)
+    out.extend(trees.values())
     return sorted(out, key=lambda g: g[0])
