@@ -231,3 +231,20 @@ def test_failing_rank_is_named_and_the_others_stop(pair, tmp_path):
     assert "rank 1 failed to load its shard: tensor 'model.layers.1.mlp.experts.12.up_proj.weight'" in p.stderr
     assert "rank 0: another rank failed to load its shard" in p.stderr
 
+
+
+@pytest.mark.slow
+def test_triton_backend_two_ranks(tmp_path):
+    """The kdsl kernels (interpreter) under 2 ranks: a 4-layer target, one prompt's prefill and first
+    token, and (on the ranks) one counted step (bf16 all-reduces: 2 x 4 layers x 3 rows x 64 x 2 bytes), against one process."""
+    from tests._parallel_run import main as run_one
+
+    t = tmp_path / "t4"
+    write_fixture("kimi-k25", t, seed=0, layers=4)
+    args = ["--target", str(t), "--draft", str(t), "--backend", "triton", "--cases", "plain-greedy", "--new", "1",
+            "--prompts", "1"]
+    assert run_one(args + ["--out", str(tmp_path / "a.json"), "--no-step"]) == 0
+    ref = json.loads((tmp_path / "a.json").read_text())
+    got = _run(2, t, t, tmp_path / "b.json", *args[4:])
+    assert got["cases"] == ref["cases"]
+    assert got["one_step"]["all_reduce"] == step_collective_bytes(load_target(t).config, 3, 2, act_bytes=2)["all_reduce"]
