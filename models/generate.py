@@ -27,6 +27,9 @@ step tensor; the triton backend runs its kernels on the GPU there (the interpret
 --graphs on (default on a GPU) captures the decode, verify and draft steps as CUDA graphs per padded
 batch bucket. --prompt-ids 1,2,3 (repeatable) gives a prompt as token ids. With --temperature > 0
 each prompt samples from its own generator seeded from (--seed, prompt index).
+Parallel: `torchrun --nproc-per-node N -m models.generate --tp N [--moe-parallel ep|tp]` runs one rank
+per process (models.parallel: MLA by heads, experts by expert or by intermediate, vocab-parallel
+lm_head, the draft replicated); each rank loads only its shard and only rank 0 prints.
 """
 from __future__ import annotations
 
@@ -221,15 +224,17 @@ def _check_model_bounds(a: argparse.Namespace, tdir: Path, ddir: Path, num_draft
         raise ValueError(f"--draft {ddir}: config.json does not describe an EAGLE-3 draft")
     if a.topk > dc.draft_vocab_size:
         raise ValueError(f"--topk must be <= the draft vocab ({dc.draft_vocab_size}), got {a.topk}")
-    prompts = a.prompt or (trained_pair_prompts() if a.target is None else DEFAULT_PROMPTS)
-    longest = max(len(p.encode("utf-8")) for p in prompts)       # >= its token count (a token is >= 1 byte)
+    id_lists = getattr(a, "prompt_id_lists", None) or []
+    prompts = (a.prompt or ([] if id_lists else (trained_pair_prompts() if a.target is None else DEFAULT_PROMPTS)))
+    longest = max([len(p.encode("utf-8")) for p in prompts]      # >= its token count (a token is >= 1 byte)
+                  + [len(ids) for ids in id_lists])
     extra = num_draft_tokens + a.topk * a.topk * a.steps + a.steps + 2
     cap = longest + a.max_new_tokens + extra
     most = min(tc.max_position_embeddings, dc.max_position_embeddings)
     if cap > most:
         raise ValueError(f"--max-new-tokens {a.max_new_tokens}: prompt (up to {longest} tokens) + new tokens + "
                          f"draft room ({extra}) = {cap} positions exceed the model's max_position_embeddings {most}")
-    n = a.batch or len(prompts)
+    n = a.batch or (len(prompts) + len(id_lists))
     pages = n * -(-cap // 16) + 1
     kv_head = dc.kv_lora_rank + dc.qk_rope_head_dim if dc.kind == "mla" else 2 * dc.num_key_value_heads * dc.head_dim
     act = 4 if a.backend == "torch" else 2                       # float32 reference math, bf16 kernels
@@ -239,6 +244,8 @@ def _check_model_bounds(a: argparse.Namespace, tdir: Path, ddir: Path, num_draft
         weights = 4 * (tc.param_count() + dc.param_count())
     else:                                                        # kept as stored
         weights = sum(f.stat().st_size for d in (tdir, ddir) for f in d.glob("*.safetensors") if f.is_file())
+    if getattr(a, "tp", 1) > 1:                                  # tensor parallel: about 1/N of it per rank
+        weights //= a.tp
     device = str(getattr(a, "device", None) or "cpu")
     if device != "cpu":
         # caches and weights live on the device: bound by its free memory when it can be asked
@@ -311,11 +318,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                     help="vLLM's spelling: {\"method\": \"eagle3\", \"num_speculative_tokens\": K, \"model\": "
                          "DRAFT_DIR, \"draft_tensor_parallel_size\": 1}; sets --steps (and --draft)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks (launch with `torchrun --nproc-per-node N -m models.generate --tp N`)")
+    ap.add_argument("--moe-parallel", choices=("ep", "tp"), default="ep",
+                    help="with --tp > 1: routed experts split whole across ranks (ep) or each expert's "
+                         "intermediate split (tp)")
     a = ap.parse_args(argv)
     _apply_speculative_config(a)
     _validate_args(ap, a)
+    _validate_parallel(ap, a)
     a.prompt_id_lists = [_ids(ap, x) for x in (a.prompt_ids or [])]
     a.device = _device(ap, a.device)
+    _rank_device(a)
     if a.graphs is None:
         a.graphs = "on" if a.device.type == "cuda" else "off"
     elif a.graphs == "on" and a.device.type != "cuda":
@@ -381,14 +395,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         tdir, ddir = _checkpoint_dir(a.target, "--target"), _checkpoint_dir(a.draft, "--draft")
     _check_model_bounds(a, tdir, ddir, params.num_draft_tokens)
     t0 = time.perf_counter()
-    tk = load_target(tdir)
+    tk, comm = _load_target_ranked(a, tdir)
     dk = load_draft(ddir, tk.config, aux_ids=getattr(a, "aux_ids_list", None))
     capture, aux_src = resolve_capture_ids(a, tk.config, dk.config)
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     elif tk.config.hidden_size <= 1024:
         torch.set_num_threads(1)               # tiny model: thread overhead dominates
-    target = KimiModel(tk, backend=a.backend, capture_ids=capture, device=a.device)
+    target = KimiModel(tk, backend=a.backend, capture_ids=capture, device=a.device, comm=comm)
     draft = Eagle3Draft(dk, target_embed=tk.get("model.embed_tokens.weight"),
                         target_hidden=tk.config.hidden_size, backend=a.backend, device=a.device)
     load_s = time.perf_counter() - t0
@@ -413,7 +427,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     results = {}
     for mode in ("spec", "plain"):
         with tqdm(total=n * a.max_new_tokens, desc=f"{mode} ({a.backend})", unit="tok", file=sys.stderr,
-                  leave=False, disable=False) as bar:
+                  leave=False, disable=int(os.environ.get("RANK", "0")) != 0) as bar:
             results[mode] = engine.generate(prompts, a.max_new_tokens, mode, params, eos_id=eos, progress=bar.update,
                                             seed=a.seed)
     spec, plain = results["spec"], results["plain"]
@@ -433,7 +447,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "tokens_per_s_spec": ms.tokens_per_s, "tokens_per_s_plain": mp.tokens_per_s,
         "tpot_ms_spec": ms.time_per_output_token_ms, "tpot_ms_plain": mp.time_per_output_token_ms,
         "prefill_s_spec": ms.prefill_s, "prefill_s_plain": mp.prefill_s,
-        "prompts": texts,
+        "prompts": texts, "tp": comm.world, "moe_parallel": a.moe_parallel, "collective_bytes": dict(comm.bytes),
+        "collective_calls": dict(comm.calls),
         "outputs": [{"prompt": t, "prompt_ids": pi, "spec_ids": s, "plain_ids": p, "spec_text": tok.decode(s),
                      "plain_text": tok.decode(p)} for t, pi, s, p in zip(texts, prompts, spec.outputs, plain.outputs)],
     }
@@ -535,9 +550,58 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except (ValueError, KeyError, OSError, RuntimeError) as e:   # config / checkpoint / tokenizer / file errors
         print(f"error: {_one_line(e)}", file=sys.stderr)
+        _leave_group()
         return 2
-    print(json.dumps(_json_safe(r), allow_nan=False) if a.json else report(r))
+    if int(os.environ.get("RANK", "0")) == 0:          # tensor parallel: only rank 0 prints
+        print(json.dumps(_json_safe(r), allow_nan=False) if a.json else report(r))
+    _leave_group()
     return 1 if r["lossless"] is False else 0
+
+
+def _validate_parallel(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """--tp within [1, 1024] and equal to the launched world size; each rank on its own GPU."""
+    if not 1 <= a.tp <= 1024:
+        ap.error(f"--tp must be in [1, 1024], got {a.tp}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if a.tp != world:
+        ap.error(f"--tp {a.tp} does not match the {world} launched process(es) (launch with "
+                 f"`torchrun --nproc-per-node {a.tp} -m models.generate --tp {a.tp}`)")
+
+
+def _rank_device(a: argparse.Namespace) -> None:
+    """Under torchrun with --tp > 1, `--device cuda` means this rank's GPU, cuda:$LOCAL_RANK."""
+    if a.tp > 1 and a.device.type == "cuda" and a.device.index is None:
+        a.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _load_target_ranked(a: argparse.Namespace, tdir: Path):
+    """(checkpoint, models.parallel.Comm): the whole target at --tp 1, else this rank's shard (read as
+    slices of the memory maps). A rank that fails names itself and the tensor; every rank then learns
+    of it through an all-reduce of an ok flag (the process group has a timeout) and stops."""
+    from models.loader import load_sharded, load_target
+    from models.parallel import init_from_env
+
+    if a.tp == 1:
+        return load_target(tdir), init_from_env(1, a.moe_parallel)
+    if a.device.type == "cuda":
+        torch.cuda.set_device(a.device)
+    comm = init_from_env(a.tp, a.moe_parallel, a.device)
+    err, ck = None, None
+    try:
+        ck = load_sharded(tdir, comm.plan)
+    except (ValueError, KeyError, OSError, RuntimeError) as e:
+        err = f"rank {comm.rank} failed to load its shard: {_one_line(e)}"
+    if not comm.all_ok(err is None, a.device):
+        raise RuntimeError(err or f"rank {comm.rank}: another rank failed to load its shard; stopping")
+    return ck, comm
+
+
+def _leave_group() -> None:
+    """Tear the process group down (torchrun ranks) so every rank exits without a warning or a hang."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

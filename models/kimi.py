@@ -32,6 +32,7 @@ from models.formats import QuantLinear, dequantize
 from models.kv_cache import LatentCache
 from models.layers import MLP, Linear, RMSNorm, act_dtype, check_backend, concat_weights
 from models.loader import Checkpoint, stack_experts
+from models.parallel import Comm, single
 from models.step import RopeTable, StepCtx, advance, make_ctx, paged_rows, visibility
 
 __all__ = ["KimiModel", "TargetOutput", "StepOutput", "RoutingTrace", "default_device", "attn_splits"]
@@ -110,6 +111,8 @@ class _MoE:
         self.bias = ck.get(p + "gate.e_score_correction_bias")
         E = cfg.n_routed_experts
         self.bias = (torch.zeros(E) if self.bias is None else self.bias.float()).to(device)
+        comm = getattr(owner, "comm", None)                 # parallel: this rank's experts (all at world 1)
+        self.local = comm.plan.expert_range(E) if comm is not None else range(E)
         self.shared: Optional[MLP] = None
         if cfg.n_shared_experts:
             s = p + "shared_experts."
@@ -117,15 +120,15 @@ class _MoE:
                                 for n in ("gate_proj", "up_proj", "down_proj")), backend=backend)
         if backend == "torch":
             self.gate = self.gate.float().to(device)
-            self.w1 = torch.stack([_dense(ck[f"{p}experts.{e}.gate_proj.weight"]) for e in range(E)]).to(dtype).to(device)
-            self.w3 = torch.stack([_dense(ck[f"{p}experts.{e}.up_proj.weight"]) for e in range(E)]).to(dtype).to(device)
-            self.w2 = torch.stack([_dense(ck[f"{p}experts.{e}.down_proj.weight"]) for e in range(E)]).to(dtype).to(device)
+            self.w1 = torch.stack([_dense(ck[f"{p}experts.{e}.gate_proj.weight"]) for e in self.local]).to(dtype).to(device)
+            self.w3 = torch.stack([_dense(ck[f"{p}experts.{e}.up_proj.weight"]) for e in self.local]).to(dtype).to(device)
+            self.w2 = torch.stack([_dense(ck[f"{p}experts.{e}.down_proj.weight"]) for e in self.local]).to(dtype).to(device)
         else:
             from ops.moe import MoEConfig, MoEWeights
 
             self.gate = self.gate.to(torch.bfloat16).contiguous().to(device)
             self.experts = MoEWeights(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-                                         for k, v in stack_experts(ck, i, pop=False).items()})
+                                         for k, v in stack_experts(ck, i, pop=False, experts=self.local).items()})
             self.moe_cfg = MoEConfig(top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
                                      norm_topk_prob=cfg.norm_topk_prob,
                                      routed_scaling_factor=cfg.routed_scaling_factor)
@@ -180,6 +183,10 @@ class _MoE:
             else:
                 ids, w = self.route(xb, forced)
             self._record(ids)
+            if len(self.local) != self.cfg.n_routed_experts:      # expert parallel: other ranks' experts weigh 0
+                loc = ids - self.local.start
+                w = w * ((loc >= 0) & (loc < len(self.local)))
+                ids = loc.clamp(0, len(self.local) - 1)
             y = fused_experts(xb, ids.to(torch.int32), w.float(), self.experts, backend="triton", check_ids=False)
             if self.shared is not None:
                 y = y + self.shared(xb).float()        # shared expert: gemm_bf16 + silu_mul kernels
@@ -191,10 +198,10 @@ class _MoE:
         # of the chosen ids, the same sum order (ascending expert id) as a per-expert gather
         xe = x.to(self.dtype)
         out = torch.zeros_like(x, dtype=self.dtype)
-        for e in range(self.cfg.n_routed_experts):
+        for j, e in enumerate(self.local):
             we = (w * (ids == e)).sum(-1).to(self.dtype)            # [T]
-            h = torch.nn.functional.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)
-            out = out + (h @ self.w2[e].T) * we[:, None]
+            h = torch.nn.functional.silu(xe @ self.w1[j].T) * (xe @ self.w3[j].T)
+            out = out + (h @ self.w2[j].T) * we[:, None]
         if self.shared is not None:
             out = out + self.shared(x)
         return out
@@ -303,8 +310,12 @@ class KimiModel:
     device: where weights, caches and every step tensor live (default: models.kimi.default_device())."""
 
     def __init__(self, ck: Checkpoint, backend: str = "torch", dtype: torch.dtype = torch.float32,
-                 capture_ids: Optional[Sequence[int]] = None, device: Optional[str | torch.device] = None):
+                 capture_ids: Optional[Sequence[int]] = None, device: Optional[str | torch.device] = None,
+                 comm: Optional[Comm] = None):
+        """comm: models.parallel.Comm of a tensor / expert parallel rank (ck then holds that rank's shard,
+        models.loader.load_sharded); default world size 1."""
         cfg = ck.config
+        self.comm = comm if comm is not None else single()
         if not isinstance(cfg, DeepseekV3Config):
             raise TypeError(f"KimiModel needs a target checkpoint, got {type(cfg).__name__}")
         self.cfg, self.backend, self.dtype = cfg, check_backend(backend), dtype
@@ -327,7 +338,7 @@ class KimiModel:
                 mlp = MLP(*(Linear(p + "mlp." + n, ck[p + f"mlp.{n}.weight"], backend, dtype, dev)
                             for n in ("gate_proj", "up_proj", "down_proj")), backend=backend)
             self.layers.append((RMSNorm(ck[p + "input_layernorm.weight"], eps, backend, dtype, dev),
-                                _MLA(ck, i, cfg, backend, dtype, device=dev),
+                                _MLA(ck, i, self.comm.plan.attn_config(cfg), backend, dtype, device=dev),
                                 RMSNorm(ck[p + "post_attention_layernorm.weight"], eps, backend, dtype, dev), mlp))
         self.norm = RMSNorm(ck["model.norm.weight"], eps, backend, dtype, dev)
         head = ck.get("lm_head.weight")
@@ -374,13 +385,14 @@ class KimiModel:
         for i, (n1, attn, n2, mlp) in enumerate(self.layers):
             if i in self.capture_ids:
                 caps[i] = h                                   # the residual stream entering layer i
-            x, h = n2.add_norm(attn(x, cos, sin, cache, i, ctx), h)       # residual add fused into the norm
+            a = self.comm.all_reduce(attn(x, cos, sin, cache, i, ctx))    # row-parallel o_proj: sum the ranks
+            x, h = n2.add_norm(a, h)                                      # residual add fused into the norm
             nxt = self.layers[i + 1][0] if i + 1 < N else self.norm
-            x, h = nxt.add_norm(mlp(x), h)
+            x, h = nxt.add_norm(self.comm.all_reduce(mlp(x)), h)          # aux captures see full sums
         if N in self.capture_ids:
             caps[N] = h
         advance(cache.table, ctx)
-        logits = self.lm_head(x).float().view(B, QL, -1)
+        logits = self.comm.gather_last(self.lm_head(x).float()).view(B, QL, -1)   # vocab-parallel head
         aux = torch.cat([caps[i] for i in self.capture_ids], -1).view(B, QL, -1) if self.capture_ids else None
         return StepOutput(logits, aux, h)
 

@@ -31,7 +31,7 @@ import stat
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -41,8 +41,11 @@ from models.config import (ConfigError, DeepseekV3Config, Eagle3Config, ModelCon
 from models.formats import AUX_SUFFIXES, FormatError, QuantLinear, Weight, build_linear, to_pack
 from models.formats import dequantize  # MXFP4 routers
 
+if TYPE_CHECKING:
+    from models.parallel import ShardPlan
+
 __all__ = ["Checkpoint", "LoadError", "load_checkpoint", "load_target", "load_draft",
-           "expected_shapes", "list_tensors", "stack_experts", "iter_linears", "NonFiniteWeightWarning"]
+           "expected_shapes", "list_tensors", "stack_experts", "iter_linears", "NonFiniteWeightWarning", "load_sharded"]
 
 LoadError = FormatError   # one error type for bad checkpoints; ConfigError for bad config fields
 
@@ -434,7 +437,8 @@ def _check_budget(root: Path, cfg: ModelConfig, stored: dict[str, Path]) -> None
 
 def load_checkpoint(path: Union[str, Path], *, arch: Optional[str] = None, dtype: Optional[torch.dtype] = None,
                     int4_pack: Optional[str] = None, device: Union[str, torch.device] = "cpu",
-                    validate: bool = True, check_finite: Union[bool, str] = "auto") -> Checkpoint:
+                    validate: bool = True, check_finite: Union[bool, str] = "auto",
+                    shard: Optional["ShardPlan"] = None) -> Checkpoint:
     """Load a target or draft checkpoint directory (family from its config.json).
 
     arch: target GPU arch ("gfx942" converts fp8 weights to e4m3fnuz with doubled scales); None/"cpu"
@@ -445,6 +449,7 @@ def load_checkpoint(path: Union[str, Path], *, arch: Optional[str] = None, dtype
     large weight whenever its bytes are read anyway (moved to another device, or converted by `dtype`);
     "all" (or True) also reads the large weights that would stay memory-mapped on the CPU (their pages
     then count in the process's resident memory); "off" (or False) checks nothing.
+    shard: a models.parallel.ShardPlan: read only this rank's slice of each tensor (load_sharded).
     """
     if check_finite not in _FINITE_MODES:
         raise ValueError(f"check_finite must be 'off', 'auto' or 'all', got {check_finite!r}")
@@ -468,9 +473,11 @@ def load_checkpoint(path: Union[str, Path], *, arch: Optional[str] = None, dtype
             continue
         if m in where:
             raise LoadError(f"tensor {m!r} appears twice (stored as {where[m][1]!r} and {n!r})")
+        if shard is not None and not shard.keeps(m, getattr(cfg, "n_routed_experts", 0)):
+            continue                           # another rank's expert: never read
         where[m] = (p, n)
 
-    sh = _Shards(where)
+    sh = _Shards(where) if shard is None else _SlicedShards(where, shard)
     q = cfg.quantization
     qm = q.method if q else None
     qpack = q.int4_pack if q else None
@@ -510,7 +517,11 @@ def load_checkpoint(path: Union[str, Path], *, arch: Optional[str] = None, dtype
             _check_finite(n, t, finite == "all" or off_host or conv)
         weights[n] = t.to(device)
     ck = Checkpoint(root, cfg, weights, skipped)
-    if validate:
+    if shard is not None:
+        ck.shard, ck.bytes_read, ck.read_log = shard, sh.bytes_read, sh.read_log  # type: ignore[attr-defined]
+        if validate:
+            _validate_sharded(cfg, weights, shard)
+    elif validate:
         _validate(cfg, weights)
     return ck
 
@@ -556,7 +567,7 @@ _MOE_FMT = {"compressed-tensors": ("w4a16", "ct"), "quark-w4a8": ("w4a8", "quark
             "quark-int4": ("w4a8", "quark_reorder")}
 
 
-def stack_experts(ck: Checkpoint, layer: int, pop: bool = True) -> dict[str, object]:
+def stack_experts(ck: Checkpoint, layer: int, pop: bool = True, experts: Optional[range] = None) -> dict[str, object]:
     """Stack layer `layer`'s routed experts into the fused-MoE layout (ops.moe.MoEWeights fields):
     {"fmt", "w13" [E, 2I, K'] (gate rows then up rows), "s13", "w2" [E, H, I'], "s2"}.
 
@@ -564,16 +575,18 @@ def stack_experts(ck: Checkpoint, layer: int, pop: bool = True) -> dict[str, obj
     fmt "w4a8": Quark int4 per-channel, repacked to "quark_reorder" if stored otherwise, f32 [E, N];
     fmt "bf16": dense experts converted to bf16. With pop=True the per-expert entries leave
     `ck.weights` as they are copied, so the extra memory is about one layer's experts.
-    Use as `MoEWeights(**stack_experts(ck, i))`.
+    Use as `MoEWeights(**stack_experts(ck, i))`. experts: the expert ids to stack (default all; an
+    expert-parallel rank stacks its own block, stacked index = id - experts.start).
     """
     cfg = ck.config
     if not isinstance(cfg, DeepseekV3Config) or not cfg.is_moe_layer(layer):
         raise LoadError(f"layer {layer} is not a MoE layer of this checkpoint")
     p = f"model.layers.{layer}.mlp.experts."
-    E = cfg.n_routed_experts
-    first = ck[f"{p}0.gate_proj.weight"]
+    ids = experts if experts is not None else range(cfg.n_routed_experts)
+    E = len(ids)
+    first = ck[f"{p}{ids[0]}.gate_proj.weight"]
     if isinstance(first, QuantLinear) and first.kind == "mxfp4":
-        return _stack_experts_mxfp4(ck, layer, pop)
+        return _stack_experts_mxfp4(ck, layer, pop, ids)
     if isinstance(first, QuantLinear):
         if first.kind != "int4" or first.source not in _MOE_FMT:
             raise LoadError(f"tensor '{p}0.gate_proj.weight': {first.source} experts have no fused-MoE format")
@@ -596,8 +609,8 @@ def stack_experts(ck: Checkpoint, layer: int, pop: bool = True) -> dict[str, obj
     out: dict[str, object] = {"fmt": fmt}
     for key, parts in (("13", ("gate_proj", "up_proj")), ("2", ("down_proj",))):
         ws, ss = None, None
-        for e in range(E):
-            rows = [take(f"{p}{e}.{nm}.weight") for nm in parts]
+        for e, eid in enumerate(ids):
+            rows = [take(f"{p}{eid}.{nm}.weight") for nm in parts]
             if fmt == "bf16":
                 t = torch.cat(rows, 0) if len(rows) > 1 else rows[0]
                 if ws is None:
@@ -610,7 +623,7 @@ def stack_experts(ck: Checkpoint, layer: int, pop: bool = True) -> dict[str, obj
                     ws = torch.empty((E, *t.shape), dtype=t.dtype, device=t.device)
                     ss = torch.empty((E, *s.shape), dtype=s.dtype, device=s.device)
                 if tuple(t.shape) != tuple(ws.shape[1:]) or tuple(s.shape) != tuple(ss.shape[1:]):
-                    raise LoadError(f"tensor '{p}{e}.{parts[0]}.weight' has a different shape from expert 0")
+                    raise LoadError(f"tensor '{p}{eid}.{parts[0]}.weight' has a different shape from expert 0")
                 ws[e] = t
                 ss[e] = s
             del rows
@@ -662,7 +675,7 @@ def mxfp4_activation(cfg: DeepseekV3Config) -> tuple[str, str]:
                     "(fp4, fp8_e4m3 or null)")
 
 
-def _stack_experts_mxfp4(ck: Checkpoint, layer: int, pop: bool) -> dict[str, object]:
+def _stack_experts_mxfp4(ck: Checkpoint, layer: int, pop: bool, ids: Optional[range] = None) -> dict[str, object]:
     """MXFP4 experts in the fused-MoE layout (ops.mxfp4.MXFP4Weights fields): {"fmt": "mxfp4",
     "w13" uint8 [E, 2I, H/2], "s13" uint8 [E, 2I, H/32], "w2" uint8 [E, H, I/2], "s2" uint8 [E, H, I/32],
     "act", "act_rule", "a13_scale", "a2_scale"}. The W4A8-FP8 activation scales are per expert in the
@@ -670,13 +683,13 @@ def _stack_experts_mxfp4(ck: Checkpoint, layer: int, pop: bool) -> dict[str, obj
     vLLM's fused MoE does for static fp8 input scales (UNCONFIRMED for this scheme)."""
     cfg = ck.config
     p = f"model.layers.{layer}.mlp.experts."
-    E = cfg.n_routed_experts
+    ids = ids if ids is not None else range(cfg.n_routed_experts)   # this rank's experts (EP)
     act, rule = mxfp4_activation(cfg)
     out: dict[str, object] = {"fmt": "mxfp4", "act": act, "act_rule": rule, "a13_scale": None, "a2_scale": None}
     for key, parts in (("13", ("gate_proj", "up_proj")), ("2", ("down_proj",))):
         ws = ss = None
         amax = None
-        for e in range(E):
+        for j, e in enumerate(ids):
             rows = []
             for nm in parts:
                 name = f"{p}{e}.{nm}.weight"
@@ -694,12 +707,85 @@ def _stack_experts_mxfp4(ck: Checkpoint, layer: int, pop: bool) -> dict[str, obj
             t = torch.cat([r.packed for r in rows], 0)
             sc = torch.cat([r.scale for r in rows], 0)
             if ws is None:
-                ws = torch.empty((E, *t.shape), dtype=torch.uint8, device=t.device)
-                ss = torch.empty((E, *sc.shape), dtype=torch.uint8, device=sc.device)
+                ws = torch.empty((len(ids), *t.shape), dtype=torch.uint8, device=t.device)
+                ss = torch.empty((len(ids), *sc.shape), dtype=torch.uint8, device=sc.device)
             if tuple(t.shape) != tuple(ws.shape[1:]) or tuple(sc.shape) != tuple(ss.shape[1:]):
                 raise LoadError(f"tensor '{p}{e}.{parts[0]}.weight' has a different shape from expert 0")
-            ws[e], ss[e] = t, sc
+            ws[j], ss[j] = t, sc
         out["w" + key], out["s" + key] = ws, ss
         if act == "fp8":
             out["a" + key + "_scale"] = amax.float().reshape(1)
     return out
+
+
+# sharded loading (tensor / expert parallel ranks)
+
+
+class _SlicedShards(_Shards):
+    """_Shards that read, for each tensor the plan splits, only this rank's contiguous 1/N slice along
+    the split dim (safetensors get_slice on the memory map: the other ranks' bytes are never touched).
+    Tensors without that dim, or of size 1 along it (per-channel and scalar scales of a row split),
+    are read whole. `bytes_read` sums the bytes of every tensor or slice read."""
+
+    def __init__(self, where: dict[str, tuple[Path, str]], plan: "ShardPlan"):
+        super().__init__(where)
+        self.plan = plan
+        self.bytes_read = 0
+        self.read_log: dict[str, int] = {}      # normalized name -> bytes read
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise LoadError(f"tensor {name!r} is missing")
+        p, stored = self.where[name]
+        dim = self.plan.split_dim(name)
+        N, r = self.plan.world, self.plan.rank
+
+        def read():
+            s = self._handle(p).get_slice(stored)
+            shape = s.get_shape()
+            if dim is None or dim >= len(shape) or shape[dim] <= 1 or name.endswith(".weight_shape"):
+                return self._handle(p).get_tensor(stored)
+            if shape[dim] % N:
+                raise LoadError(f"tensor {name!r}: dim {dim} of size {shape[dim]} is not divisible by the "
+                                f"world size {N}")
+            n = shape[dim] // N
+            return s[r * n:(r + 1) * n] if dim == 0 else s[:, r * n:(r + 1) * n]
+
+        t = _shard_call(p, f"tensor {stored!r}", read)
+        if dim is not None and name.endswith(".weight_shape"):
+            t = t.clone()
+            t[dim] = t[dim] // N                  # the logical shape of this rank's slice
+        self.bytes_read += t.numel() * t.element_size()
+        self.read_log[name] = t.numel() * t.element_size()
+        self.left[p] -= 1
+        if self.left[p] == 0:
+            self.open.pop(p, None)
+        return t
+
+
+def _validate_sharded(cfg: ModelConfig, weights: dict[str, Weight], plan: "ShardPlan") -> None:
+    """_validate against this rank's shapes (split dims divided by the world size, other ranks'
+    experts absent)."""
+    E = getattr(cfg, "n_routed_experts", 0)
+    for name, shape in expected_shapes(cfg).items():
+        if not plan.keeps(name, E):
+            continue
+        if name not in weights:
+            raise LoadError(f"tensor {name!r} is missing from the checkpoint (needed by the config)")
+        d = plan.split_dim(name)
+        if shape is not None and d is not None and d < len(shape):
+            shape = tuple(x // plan.world if i == d else x for i, x in enumerate(shape))
+        got = _logical_shape(weights[name])
+        if shape is not None and got != shape:
+            raise LoadError(f"tensor {name!r} has wrong shape {list(got)} on rank {plan.rank}; the config "
+                            f"implies {list(shape)}")
+
+
+def load_sharded(path: Union[str, Path], plan: "ShardPlan", **kw) -> Checkpoint:
+    """Load this rank's shard of a target checkpoint (models.parallel.ShardPlan): every tensor the plan
+    splits is read as a slice of the memory map; `ck.bytes_read` tells how many bytes were read."""
+    plan.check(load_config(Path(path)))
+    ck = load_checkpoint(path, shard=plan, **kw)
+    if not isinstance(ck.config, DeepseekV3Config):
+        raise ConfigError(f"{path}: config 'architectures' names a draft ({ck.config.architecture}), not a target")
+    return ck

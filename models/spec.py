@@ -368,7 +368,7 @@ class Engine:
         # ---- prefill (ragged: the list API), then the draft over the prompt shifted by one
         t0 = time.perf_counter()
         out = self.target.forward(tc, [(b, p) for b, p in enumerate(prompts)])
-        root = pick(torch.stack([lg[-1].float().to(dev) for lg in out.logits]))
+        root = _lockstep(self.target, pick(torch.stack([lg[-1].float().to(dev) for lg in out.logits])))
         first = root.tolist()
         done = [False] * Bp
         for b in range(Bp):
@@ -399,7 +399,7 @@ class Engine:
             was_active = active
             if not spec:
                 logits, _ = runner(("target", Bp, 1), t_step, root[:, None])
-                toks = pick(logits[:, 0])[:, None]
+                toks = _lockstep(self.target, pick(logits[:, 0])[:, None])
                 a = torch.zeros(Bp, dtype=torch.long, device=dev)
                 tc.table.lens.copy_(torch.where(active, Lb + 1, Lb))
             else:
@@ -412,6 +412,7 @@ class Engine:
                 logits, aux = runner(("target", Bp, k + 1), t_step, torch.cat([root[:, None], D], 1))
                 u = _draw(gens, k + 1, dev) if T > 0 else None
                 a, toks = chain_accept(logits, D, T, P, u)
+                a, toks = _lockstep(self.target, a), _lockstep(self.target, toks)   # ranks follow rank 0
                 a32 = a.to(Lb.dtype)
                 tc.table.lens.copy_(torch.where(active, Lb + a32 + 1, Lb))
                 dc.table.lens.copy_(Lb)                       # drop the speculative draft rows
@@ -495,7 +496,7 @@ class Engine:
         carry: dict[int, torch.Tensor] = {}
         root_lg: dict[int, torch.Tensor] = {}
         for b in range(B):
-            commit(b, [pick(b, out.logits[b][-1])])
+            commit(b, [_lockstep_path(self.target, [], pick(b, out.logits[b][-1]), 0)[1]])
         live = [b for b in range(B) if not done[b]]
         if live:
             res = self.draft.forward(dc, [(b, list(prompts[b][1:]) + [gen[b][-1]], out.aux[b]) for b in live])
@@ -610,6 +611,7 @@ class Engine:
             else:
                 path, bonus = sample_tree_accept(out.logits[i].cpu(), children, row_tok, params.temperature,
                                                  params.top_p, gens[b])
+            path, bonus = _lockstep_path(self.target, path, bonus, len(chosen) + 1)
             rows = [0] + path
             path_toks = [row_tok[r] for r in path]
             a = len(path_toks)
@@ -634,3 +636,22 @@ class Engine:
             for kv in tc.kv:
                 kv[dst // ps, dst % ps] = kv[src // ps, src % ps].clone()
         return ext
+
+
+def _lockstep(target: Any, t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's tokens / accept lengths on every tensor-parallel rank (models.parallel.Comm; the
+    identity on one process): with sampling only rank 0's draw counts, so the ranks stay in lockstep."""
+    comm = getattr(target, "comm", None)
+    return t if comm is None or comm.world == 1 else comm.broadcast(t.clone())
+
+
+def _lockstep_path(target: Any, path: list[int], bonus: int, n: int) -> tuple[list[int], int]:
+    """The host walk's accepted rows and bonus token as rank 0 chose them (tree decoding)."""
+    comm = getattr(target, "comm", None)
+    if comm is None or comm.world == 1:
+        return path, bonus
+    buf = torch.full((n + 2,), -1, dtype=torch.long, device=getattr(target, "device", "cpu"))
+    buf[0], buf[1] = len(path), bonus
+    buf[2:2 + len(path)] = torch.tensor(path, dtype=torch.long)
+    h = comm.broadcast(buf).tolist()
+    return [int(x) for x in h[2:2 + h[0]]], int(h[1])

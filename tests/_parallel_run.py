@@ -1,0 +1,78 @@
+"""One rank of a tensor-parallel decoding run for tests/test_parallel.py.
+
+`python -m tests._parallel_run --target T --draft D --out F [--moe ep|tp] [--backend B]` runs the
+whole model in one process; under `torchrun --nproc-per-node N` every rank loads its shard and rank 0
+writes the outputs of every case (plain, chain, tree; greedy and sampled) to F as JSON, with the
+bytes the rank's loader read and the collectives' byte counts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+CASES = [  # (name, mode, topk, temperature)
+    ("plain-greedy", "plain", 1, 0.0), ("chain-greedy", "spec", 1, 0.0), ("tree-greedy", "spec", 2, 0.0),
+    ("plain-sampled", "plain", 1, 0.8), ("chain-sampled", "spec", 1, 0.8), ("tree-sampled", "spec", 2, 0.8),
+]
+PROMPTS = [[5, 17, 300, 42, 9], [100, 200, 7]]
+
+
+def main(argv: list[str]) -> int:
+    from models.eagle3 import Eagle3Draft
+    from models.kimi import KimiModel
+    from models.loader import load_draft, load_sharded, load_target
+    from models.parallel import init_from_env
+    from models.spec import Engine, SpecParams
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--moe", default="ep")
+    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--cases", default=",".join(c[0] for c in CASES))
+    ap.add_argument("--new", type=int, default=6)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="use the first N prompts")
+    ap.add_argument("--no-step", action="store_true", help="skip the counted single step")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    comm = init_from_env(world, a.moe, torch.device("cpu"))
+    tk = load_sharded(a.target, comm.plan) if world > 1 else load_target(a.target)
+    want = a.cases.split(",")
+    target = KimiModel(tk, backend=a.backend, device="cpu", comm=comm)
+    draft = None
+    if any(c[1] == "spec" for c in CASES if c[0] in want):      # plain-only runs need no draft
+        dk = load_draft(a.draft, tk.config)
+        draft = Eagle3Draft(dk, target_hidden=tk.config.hidden_size, backend=a.backend, device="cpu")
+    eng = Engine(target, draft)
+    out: dict = {"bytes_read": getattr(tk, "bytes_read", None), "cases": {}}
+    for name, mode, topk, temp in CASES:
+        if name not in want:
+            continue
+        p = SpecParams(steps=3, topk=topk, temperature=temp)
+        r = eng.generate(PROMPTS[:a.prompts], a.new, mode, p, seed=7)
+        out["cases"][name] = r.outputs
+    out["collective_bytes"] = dict(comm.bytes)
+    if not a.no_step:
+        comm.reset_counts()                               # one target step of 1 x 3 rows: what it moves
+        cache = target.new_cache(1, 16)
+        cache.table.reserve_all(16)
+        target.step(cache, torch.tensor([[1, 2, 3]]))
+        out["one_step"] = dict(comm.bytes)
+    if comm.rank == 0:
+        with open(a.out, "w") as f:
+            json.dump(out, f)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
