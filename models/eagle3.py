@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from models.config import Eagle3Config
-from models.kimi import _dense, attn_splits, default_device, rope_scaling_dict
+from models.kimi import _dense, default_device, rope_scaling_dict
 from models.kv_cache import LatentCache, MHACache
 from models.layers import MLP, Linear, RMSNorm, act_dtype, check_backend
 from models.loader import Checkpoint
@@ -179,7 +179,7 @@ class Eagle3Draft:
             e = min(QL, j + MAX_Q_LEN)
             sl = ctx.seq_lens if e == QL else ctx.seq_lens - (QL - e)
             outs.append(paged_mha_decode(qb[:, j:e].contiguous(), kc, vc, ctx.bt, sl, scale,
-                                         splits=attn_splits(ctx.capacity, nh), backend="triton", tree_mask=tm))
+                                         backend="triton", tree_mask=tm))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
         return o.reshape(B * QL, nh, hd).to(q.dtype)
 

@@ -35,7 +35,7 @@ from models.loader import Checkpoint, stack_experts
 from models.parallel import Comm, single
 from models.step import RopeTable, StepCtx, advance, make_ctx, paged_rows, visibility
 
-__all__ = ["KimiModel", "TargetOutput", "StepOutput", "RoutingTrace", "default_device", "attn_splits"]
+__all__ = ["KimiModel", "TargetOutput", "StepOutput", "RoutingTrace", "default_device"]
 
 
 def default_device() -> torch.device:
@@ -56,15 +56,6 @@ class StepOutput:
 
     def __init__(self, logits: torch.Tensor, aux: Optional[torch.Tensor], hidden: torch.Tensor):
         self.logits, self.aux, self.hidden = logits, aux, hidden
-
-
-def attn_splits(capacity: int, heads: int) -> int:
-    """KV splits of a decode launch, fixed per cache (from its per-sequence capacity and the heads only):
-    no host read of the lengths, the same grid for every step of a bucket, and a row's reduction order
-    does not depend on the batch or q_len."""
-    from ops.mla import num_splits
-
-    return num_splits([capacity], 1, heads)
 
 
 def _on(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
@@ -124,11 +115,12 @@ class _MoE:
             self.w3 = torch.stack([_dense(ck[f"{p}experts.{e}.up_proj.weight"]) for e in self.local]).to(dtype).to(device)
             self.w2 = torch.stack([_dense(ck[f"{p}experts.{e}.down_proj.weight"]) for e in self.local]).to(dtype).to(device)
         else:
-            from ops.moe import MoEConfig, MoEWeights
+            from ops.moe import MoEConfig
+            from ops.mxfp4 import experts_weights
 
             self.gate = self.gate.to(torch.bfloat16).contiguous().to(device)
-            self.experts = MoEWeights(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-                                         for k, v in stack_experts(ck, i, pop=False, experts=self.local).items()})
+            self.experts = experts_weights({k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+                                            for k, v in stack_experts(ck, i, pop=False, experts=self.local).items()})
             self.moe_cfg = MoEConfig(top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
                                      norm_topk_prob=cfg.norm_topk_prob,
                                      routed_scaling_factor=cfg.routed_scaling_factor)
@@ -172,14 +164,15 @@ class _MoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton":
-            from ops.moe import fused_experts, route
+            from ops.moe import route
+            from ops.mxfp4 import fused_experts_any as fused_experts
 
             c = self.moe_cfg
             xb = x.to(torch.bfloat16).contiguous()
             forced = self._replayed(xb)
             if forced is None:
                 ids, w = route(xb, self.gate, self.bias, c.top_k, c.n_group, c.topk_group, c.norm_topk_prob,
-                               c.routed_scaling_factor, backend="triton")
+                               c.routed_scaling_factor, backend="triton", scoring_func=self.cfg.scoring_func)
             else:
                 ids, w = self.route(xb, forced)
             self._record(ids)
@@ -298,8 +291,10 @@ class _MLA:
         for j in range(0, QL, MAX_Q_LEN):       # prefill: causal chunks of the kernel's q_len limit (QL is static)
             e = min(QL, j + MAX_Q_LEN)
             sl = ctx.seq_lens if e == QL else ctx.seq_lens - (QL - e)
+            # the op's batch-invariant split plan: fixed-size KV chunks from the table capacity (a host
+            # int), so the grid is fixed per cache and a row reduces in the same order at any batch or q_len
             outs.append(mla_decode(qb[:, j:e].contiguous(), kvl, ctx.bt, sl, self.scale, latent_dim=C, tree_mask=tree,
-                                   splits=attn_splits(ctx.capacity, H), out_dtype=torch.bfloat16, backend="triton"))
+                                   out_dtype=torch.bfloat16, backend="triton"))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
         return o.reshape(B * QL, H, C).to(q.dtype)
 

@@ -1,7 +1,7 @@
 """No device->host read inside a forward: the target's decode / verify / tree-verify steps and the
-draft's steps run under HostReadProbe (tests/host_reads.py), on the torch backend (nothing at all may
-read the host) and on the triton backend (the model reads nothing; what the ops still read is listed
-in KNOWN_OP_READS and must shrink to nothing). The engine reads back once per decode step.
+draft's steps run under HostReadProbe (tests/host_reads.py), on the torch backend and on the triton
+backend: neither the model nor the ops it launches read the device (KNOWN_OP_READS stays empty). The
+engine reads back once per decode step.
 """
 from __future__ import annotations
 
@@ -15,12 +15,7 @@ from tests.host_reads import HostReadProbe, summary
 # op-level host reads the model cannot avoid today (argument checks inside the ops); each is
 # "ops/FILE.py:FUNCTION". Remove an entry once its op checks its arguments without reading the device
 # (the test then fails if the read comes back).
-KNOWN_OP_READS = {
-    "ops/_common.py:check_paged_lengths",       # seq_lens.tolist() (mla_decode / paged_mha_decode _check)
-    "ops/mla.py:append_latent",                 # int(slots.max()) range check
-    "ops/mla.py:_check",                        # bool(diagonal(tree_mask).all()) (tree verify only)
-    "ops/mha.py:_check",                        # int(seq_lens.min()), bool(diagonal) (draft tree window only)
-}
+KNOWN_OP_READS: set[str] = set()   # every op now checks its arguments without reading the device
 
 
 def _where(e) -> str:
