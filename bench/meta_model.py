@@ -281,16 +281,36 @@ def _launches() -> int:
     return len(rec.launches) if rec is not None else 0
 
 
-def _layer_tag(mode: HostShadowMode, i: int, fn: Callable) -> Callable:
-    def call(*a: Any, **k: Any) -> Any:
-        prev, mode.layer = mode.layer, i
-        mode.marks.append((_launches(), i))
-        try:
-            return fn(*a, **k)
-        finally:
-            mode.layer = prev
-            mode.marks.append((_launches(), prev))
-    return call
+class _LayerTag:
+    """A layer part (norm, attention, MLP) whose calls, and method calls (`add_norm`), tag the ops
+    they launch with the layer index; other attributes pass through."""
+
+    def __init__(self, mode: HostShadowMode, i: int, part: Any):
+        self._mode, self._i, self._part = mode, i, part
+
+    def _tagged(self, fn: Callable) -> Callable:
+        mode, i = self._mode, self._i
+
+        def call(*a: Any, **k: Any) -> Any:
+            prev, mode.layer = mode.layer, i
+            mode.marks.append((_launches(), i))
+            try:
+                return fn(*a, **k)
+            finally:
+                mode.layer = prev
+                mode.marks.append((_launches(), prev))
+        return call
+
+    def __call__(self, *a: Any, **k: Any) -> Any:
+        return self._tagged(self._part)(*a, **k)
+
+    def __getattr__(self, name: str) -> Any:
+        v = getattr(self._part, name)
+        return self._tagged(v) if callable(v) and not isinstance(v, type) else v
+
+
+def _layer_tag(mode: HostShadowMode, i: int, part: Any) -> Any:
+    return _LayerTag(mode, i, part)
 
 
 def launch_layers(mode: HostShadowMode, n: int) -> list[int | None]:
@@ -313,28 +333,26 @@ def build_model(cfg: Any, experts: str, mode: HostShadowMode) -> Any:
 
     ck = meta_checkpoint(cfg, experts)
     with torch.device("meta"):
-        model = KimiModel(ck, backend="triton", dtype=torch.bfloat16, capture_ids=())
+        model = KimiModel(ck, backend="triton", dtype=torch.bfloat16, capture_ids=(), device=torch.device("meta"))
     model.layers = [tuple(_layer_tag(mode, i, f) for f in layer) for i, layer in enumerate(model.layers)]
     return model
 
 
 def meta_cache(cfg: Any, batch: int, ctx: int, q_len: int, page_size: int = 64) -> Any:
-    """A latent cache on meta with `batch` sequences already holding `ctx` tokens (pages reserved
-    for ctx + q_len)."""
+    """A latent cache on meta for `batch` sequences at context `ctx` (pages reserved for ctx + q_len;
+    its block-table width is one sequence's pages, so the ops' split plans see this context)."""
     from models.kv_cache import LatentCache
 
-    pages = batch * math.ceil((ctx + q_len) / page_size) + 1
-    cache = LatentCache(cfg.num_hidden_layers, batch, pages, page_size, cfg.kv_cache_dim, dtype=torch.bfloat16,
-                        device="meta")
-    for b in range(batch):
-        cache.table.reserve(b, ctx + q_len)
-        cache.table.lengths[b] = ctx
+    cache = LatentCache.for_tokens(cfg.num_hidden_layers, batch, ctx + q_len, page_size, cfg.kv_cache_dim,
+                                   dtype=torch.bfloat16, device="meta")
+    cache.table.reserve_all(ctx + q_len)
     return cache
 
 
 def run_step(model: Any, cfg: Any, mode: HostShadowMode, batch: int, ctx: int, q_len: int) -> None:
-    """One decode (q_len 1) or verify (q_len > 1) step of `batch` sequences at context `ctx`."""
+    """One decode (q_len 1) or verify (q_len > 1) step of `batch` sequences at context `ctx`: the
+    model's device step (`KimiModel.step`) on meta token ids, exactly what the engine launches."""
     cache = meta_cache(cfg, batch, ctx, q_len)
-    toks = [(b, [1 + (b + j) % 1000 for j in range(q_len)]) for b in range(batch)]
     with meta_forward(mode):
-        model.forward(cache, toks)
+        tokens = torch.ones(batch, q_len, dtype=torch.long)
+        model.step(cache, tokens)

@@ -115,7 +115,7 @@ def test_generate_json_is_strict_and_names_aux_ids(ckpts, capsys, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(base / "xdg"))
     n = torch.get_num_threads()
     try:
-        rc, out, _ = _call(G.main, ["--json", "--max-new-tokens", "2", "--batch", "1"], capsys)
+        rc, out, _ = _call(G.main, ["--json", "--max-new-tokens", "2", "--batch", "1", "--target", str(t), "--draft", str(d)], capsys)
         assert rc == 0
         r = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
         assert r["aux_ids"] == [2, 4, 5] and "eagle_aux_hidden_state_layer_ids [1, 3, 4]" in r["aux_ids_source"]

@@ -15,7 +15,10 @@ def _run(kernel, part, bias, K, ng, tkg, norm, scale):
     M = part.shape[1]
     ids = poisoned((M, K), torch.int32)
     wts = poisoned((M, K), torch.float32)
-    kernel(part, bias, ids, wts, ng, tkg, norm, scale)
+    if kernel is moe.moe_route:  # its SOFTMAX switch (0: sigmoid scores, what moe_route_topk computes)
+        kernel(part, bias, ids, wts, ng, tkg, norm, 0, scale)
+    else:
+        kernel(part, bias, ids, wts, ng, tkg, norm, scale)
     return ids, wts
 
 

@@ -304,7 +304,8 @@ def test_tune_model_dry_run_lists_the_step_problems(capsys):
 
     assert main(["tune-model", "--config", "kimi-k2.5", "--arch", "gfx942", "--dry-run", "--q-lens", "1"]) == 0
     out = capsys.readouterr().out
-    for want in ("gemm_bf16 N=2048,K=7168", "mla_decode_split QL=1,H=64,DL=512,DR=64,PS=64",
+    # N=4096: the shared expert's gate|up stacked as one GEMM; N=2112: q_a|kv_a as one GEMM
+    for want in ("gemm_bf16 N=4096,K=7168", "gemm_bf16 N=2112,K=7168", "mla_decode_split QL=1,H=64,DL=512,DR=64,PS=64",
                  "moe_stage1_w4a8 E=384,K=7168,I=2048,TOPK=8", "rmsnorm D=7168", "gemm_bf16 N=163840,K=7168"):
         assert want in out
     assert "moe_align_blocks" not in out  # its op looks up no config: nothing would read a file
