@@ -293,6 +293,14 @@ MODELS += [
                  flops_fn=lambda p, m: 0.0),
     ProblemModel("moe_align_scatter", ("E",), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None,
                  loop_block=None, bytes_fn=lambda p, m: m * 8 + p["E"] * 4, flops_fn=lambda p, m: 0.0),
+    # KV appends: each new token's row read and written once (the cache size is not traffic: the key
+    # leaves the page count out, a nominal pool of 4096 pages of 64 fills the compile-only dims)
+    ProblemModel("mla_cache_append", ("DQ",), m_dim="NT", m_block=None, peak_dtype="f32", loop_dim=None,
+                 loop_block=None, bytes_fn=lambda p, m: m * (p["DQ"] * 2 * 2 + 8), flops_fn=lambda p, m: 0.0,
+                 derived=lambda p, m, c: {"NP": 4096, "PS": 64}),
+    ProblemModel("mha_cache_append", ("KVH", "D"), m_dim="NT", m_block=None, peak_dtype="f32", loop_dim=None,
+                 loop_block=None, bytes_fn=lambda p, m: m * (p["KVH"] * p["D"] * 2 * 2 * 2 + 8),
+                 flops_fn=lambda p, m: 0.0, derived=lambda p, m, c: {"NP": 4096, "PS": 64}),
     ProblemModel("moe_sum", ("H", "TOPK"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
                  bytes_fn=_rows("H", lambda p: p["H"] * 4 * (p["TOPK"] + 1)), flops_fn=lambda p, m: m * p["H"] * p["TOPK"]),
     ProblemModel("mla_decode_combine", ("QL", "H", "DL"), m_block=None, peak_dtype="f32", loop_dim=None,
