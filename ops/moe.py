@@ -404,6 +404,20 @@ def _w4a8_gate_up(x, w13, e, n, tok, valid):
     return kd.fold(_k_tiles("K"), (z, z), body)
 
 
+def _w4a8_silu_up(x, xs, w13, s13, sorted_ids, block_expert, TOPK):
+    """Stage 1 of W4A8 up to the activation: (rows, n, valid, SiLU(gate)*up in f32) of this
+    program's aligned block and BLOCK_N columns (shared by the bf16- and int8-emitting kernels)."""
+    b, n = _s1_grid()
+    e, rows, tid = _block_rows(sorted_ids, block_expert, b)
+    valid = tid < kd.dim("M") * TOPK
+    tok = tid // TOPK
+    ag, au = _w4a8_gate_up(x, w13, e, n, tok, valid)
+    xsv = xs.load(tok, mask=valid)
+    g = ag * xsv * s13[e, n]
+    u = au * xsv * s13[e, n + kd.dim("I")]
+    return rows, n, valid, kd.silu(g) * u
+
+
 S1_CHECKS = [("N2", lambda d: d["N2"] == 2 * d["I"], "w13 rows (N2) must be 2*I (gate rows then up rows)")]
 S1_EXAMPLE = {"M": 1, "K": KIMI["H"], "I": KIMI["I"], "N2": 2 * KIMI["I"], "E": KIMI["E"], "TOPK": 8,
               "S": 16 * 9, "NB": 9}
@@ -419,15 +433,8 @@ def moe_stage1_w4a8(x: kd.In["M", "K", kd.i8], xs: kd.In["M", kd.f32],
                     sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32],
                     inter: kd.Out["S", "I", kd.bf16], TOPK: kd.Dim):
     """W4A8 gate+up: int8 x int4 -> i32 dot, per-token x per-channel scales, SiLU(gate)*up -> bf16."""
-    b, n = _s1_grid()
-    e, rows, tid = _block_rows(sorted_ids, block_expert, b)
-    valid = tid < kd.dim("M") * TOPK
-    tok = tid // TOPK
-    ag, au = _w4a8_gate_up(x, w13, e, n, tok, valid)
-    xsv = xs.load(tok, mask=valid)
-    g = ag * xsv * s13[e, n]
-    u = au * xsv * s13[e, n + kd.dim("I")]
-    inter.store(rows, n, value=kd.silu(g) * u, mask=valid)
+    rows, n, valid, h = _w4a8_silu_up(x, xs, w13, s13, sorted_ids, block_expert, TOPK)
+    inter.store(rows, n, value=h, mask=valid)
 
 
 @kd.kernel(static=("TOPK",), checks=S1_CHECKS + [("NT", lambda d: d["NT"] >= 1, "NT (scale groups per row) must be >= 1")],
@@ -441,15 +448,8 @@ def moe_stage1_w4a8_q(x: kd.In["M", "K", kd.i8], xs: kd.In["M", kd.f32],
     no quant launch runs between the stages. A row's absmax over all of I would need every program
     of the row; a scale per (row, BLOCK_N group) does not, and stage 2 (`moe_stage2_w4a8_gq`, its
     BLOCK_K equal to this BLOCK_N) applies one scale per K tile. NT = I / BLOCK_N."""
-    b, n = _s1_grid()
-    e, rows, tid = _block_rows(sorted_ids, block_expert, b)
-    valid = tid < kd.dim("M") * TOPK
-    tok = tid // TOPK
-    ag, au = _w4a8_gate_up(x, w13, e, n, tok, valid)
-    xsv = xs.load(tok, mask=valid)
-    g = ag * xsv * s13[e, n]
-    u = au * xsv * s13[e, n + kd.dim("I")]
-    h = (kd.silu(g) * u).to(kd.bf16).to(kd.f32)  # the bf16 intermediate the unfused path stores
+    rows, n, valid, h = _w4a8_silu_up(x, xs, w13, s13, sorted_ids, block_expert, TOPK)
+    h = h.to(kd.bf16).to(kd.f32)  # the bf16 intermediate the unfused path stores
     sc = kd.maximum(kd.max(kd.abs(h), axis=n), MIN_ABSMAX) / 127.0
     inter.store(rows, n, value=_round_rne(kd.minimum(kd.maximum(h / sc, -127.0), 127.0)).to(kd.i32).to(kd.i8),
                 mask=valid)
