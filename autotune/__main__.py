@@ -344,7 +344,7 @@ def cmd_tune_model(a: argparse.Namespace) -> int:
     from .search import tune
     from .store import file_path, load_file
 
-    probs = step_problems(cfg, a.experts, a.arch, [int(q) for q in qls if q != ANY])
+    probs = step_problems(cfg, a.experts, a.arch, [int(q) for q in qls if q != ANY], tp=a.tp, moe_parallel=a.moe_parallel)
     only = set(x.strip() for x in a.only.split(",")) if a.only else None
     print(f"{len(probs)} distinct kernel problems in the step ({a.experts}, tp {a.tp}, {a.arch})")
     for kern, prob, m_min in probs:

@@ -14,8 +14,8 @@ Two pieces, kept apart from the bench's cost accounting (bench/step.py):
   Reads of unshadowed device values (a real device->host sync in the forward) are counted and
   answered with zeros.
 
-`build_model(...)` is the one place that constructs the model: when models/kimi.py changes its
-constructor, adapt it here.
+`build_model(...)` is the one place that constructs the model (rank 0 of a tensor-parallel deployment
+when tp > 1, its collectives recorded, not run): when models/kimi.py changes its constructor, adapt it here.
 """
 from __future__ import annotations
 
@@ -53,35 +53,13 @@ SHADOW_MAX_NUMEL = 1 << 16  # host-built tensors up to this size keep a CPU shad
 # ---------------------------------------------------------------------------------------------
 # config and checkpoint
 
-def per_gpu_config(cfg: Any, tp: int = 1, moe_parallel: str = "tp", layers: int | None = None) -> Any:
-    """The per-GPU shapes of a tensor-parallel deployment (REFERENCE section 8) as a config the
-    single-GPU model builds: MLA heads / tp, dense and shared-expert intermediate / tp, vocab / tp
-    (lm_head vocab-parallel); routed experts tensor-parallel (intermediate / tp) or expert-parallel
-    (experts / tp, top-k unchanged: an approximation, a rank sees fewer rows). The model has no
-    TP of its own yet, so this reproduces the per-GPU kernel shapes only (no collectives run)."""
-    if tp < 1:
-        raise ValueError(f"--tp must be >= 1, got {tp}")
-    ch: dict[str, Any] = {}
-    if layers is not None:
-        ch["num_hidden_layers"] = layers
-    if tp > 1:
-        for name in ("num_attention_heads", "intermediate_size", "vocab_size"):
-            v = getattr(cfg, name)
-            if v % tp:
-                raise ValueError(f"--tp {tp} does not divide {name}={v}")
-            ch[name] = v // tp
-        if moe_parallel == "tp":
-            if cfg.moe_intermediate_size % tp:
-                raise ValueError(f"--tp {tp} does not divide moe_intermediate_size={cfg.moe_intermediate_size}")
-            ch["moe_intermediate_size"] = cfg.moe_intermediate_size // tp
-        elif moe_parallel == "ep":
-            if cfg.n_routed_experts % tp:
-                raise ValueError(f"--tp {tp} does not divide n_routed_experts={cfg.n_routed_experts}")
-            ch["n_routed_experts"] = cfg.n_routed_experts // tp
-            ch["num_experts_per_tok"] = min(cfg.num_experts_per_tok, cfg.n_routed_experts // tp)
-        else:
-            raise ValueError(f"--moe-parallel must be 'tp' or 'ep', got {moe_parallel!r}")
-    return dataclasses.replace(cfg, **ch) if ch else cfg
+def limit_layers(cfg: Any, layers: int | None) -> Any:
+    """`cfg` with only its first `layers` layers (at least one MoE layer when it has experts)."""
+    if layers is None:
+        return cfg
+    first = cfg.first_k_dense_replace
+    layers = max(layers, first + 1 if cfg.n_routed_experts else 1)
+    return dataclasses.replace(cfg, num_hidden_layers=min(layers, cfg.num_hidden_layers))
 
 
 def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -100,16 +78,22 @@ def _expert_linear(n: int, k: int, experts: str) -> Any:
     raise ValueError(f"experts format must be one of {EXPERT_FORMATS}, got {experts!r}")
 
 
-def meta_checkpoint(cfg: Any, experts: str = "w4a8") -> Any:
-    """A Checkpoint of meta tensors with the shapes `cfg` implies (routed experts quantized)."""
+def meta_checkpoint(cfg: Any, experts: str = "w4a8", plan: Any = None) -> Any:
+    """A Checkpoint of meta tensors with the shapes `cfg` implies (routed experts quantized); with a
+    `models.parallel.ShardPlan`, the shapes rank `plan.rank` loads (`models.loader.load_sharded`: split
+    dims divided by the world size, other ranks' experts absent)."""
     from pathlib import Path
 
     from models.loader import Checkpoint, expected_shapes
 
+    E = getattr(cfg, "n_routed_experts", 0)
     weights: dict[str, Any] = {}
     for name, shape in expected_shapes(cfg).items():
-        if shape is None:
+        if shape is None or (plan is not None and not plan.keeps(name, E)):
             continue
+        d = plan.split_dim(name) if plan is not None else None
+        if d is not None and d < len(shape):
+            shape = tuple(x // plan.world if i == d else x for i, x in enumerate(shape))
         if ".mlp.experts." in name:
             weights[name] = _expert_linear(shape[0], shape[1], experts)
         elif name.endswith("e_score_correction_bias"):
@@ -155,6 +139,8 @@ class HostShadowMode(TorchDispatchMode):
     device_reads: list[str] = field(default_factory=list)
     layer: int | None = None
     marks: list[tuple[int, int | None]] = field(default_factory=list)  # (kdsl launches so far, layer)
+    collectives: list["Collective"] = field(default_factory=list)
+    last_layer: int | None = None     # the layer whose part ran last (a collective after it belongs to it)
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -292,7 +278,7 @@ class _LayerTag:
         mode, i = self._mode, self._i
 
         def call(*a: Any, **k: Any) -> Any:
-            prev, mode.layer = mode.layer, i
+            prev, mode.layer, mode.last_layer = mode.layer, i, i
             mode.marks.append((_launches(), i))
             try:
                 return fn(*a, **k)
@@ -326,14 +312,53 @@ def launch_layers(mode: HostShadowMode, n: int) -> list[int | None]:
     return out
 
 
-def build_model(cfg: Any, experts: str, mode: HostShadowMode) -> Any:
-    """KimiModel (triton backend) over a meta checkpoint; each layer's callables tag the ops they
-    launch with the layer index (the only bench-side hook into the model object)."""
-    from models.kimi import KimiModel
+@dataclass
+class Collective:
+    """One collective the forward called: kind ("all_reduce" | "all_gather"), payload bytes per rank,
+    the layer it ran in (None: outside the layers, e.g. the logits' all-gather)."""
+    kind: str
+    nbytes: int
+    layer: int | None
 
-    ck = meta_checkpoint(cfg, experts)
+
+def recording_comm(plan: Any, mode: HostShadowMode) -> Any:
+    """A models.parallel.Comm for rank 0 of `plan` whose collectives run nowhere: each call is logged
+    in `mode.collectives` (kind, bytes, layer) and returns a tensor of the right shape, so the real
+    tensor-parallel forward runs on meta tensors in one process."""
+    from models.parallel import Comm
+
+    class RecordingComm(Comm):
+        def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+            if self.world > 1:
+                layer = mode.layer if mode.layer is not None else mode.last_layer   # after a layer's attention / MLP
+                mode.collectives.append(Collective("all_reduce", x.numel() * x.element_size(), layer))
+                self._count("all_reduce", x)
+            return x
+
+        def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+            if self.world == 1:
+                return x
+            mode.collectives.append(Collective("all_gather", x.numel() * x.element_size(), None))   # the logits
+            self._count("all_gather", x)
+            return torch.empty(*x.shape[:-1], self.world * x.shape[-1], dtype=x.dtype, device=x.device)
+
+    return RecordingComm(plan)
+
+
+def build_model(cfg: Any, experts: str, mode: HostShadowMode, tp: int = 1, moe_parallel: str = "ep") -> Any:
+    """KimiModel (triton backend) over a meta checkpoint: rank 0 of a `tp`-way tensor-parallel
+    deployment (models.parallel: MLA by heads, experts "ep" or "tp", vocab-parallel lm_head) whose
+    collectives are recorded (`recording_comm`); each layer's callables tag the ops they launch with
+    the layer index (the only bench-side hook into the model object)."""
+    from models.kimi import KimiModel
+    from models.parallel import ShardPlan
+
+    plan = ShardPlan(0, tp, moe_parallel)
+    plan.check(cfg)
+    ck = meta_checkpoint(cfg, experts, plan)
     with torch.device("meta"):
-        model = KimiModel(ck, backend="triton", dtype=torch.bfloat16, capture_ids=(), device=torch.device("meta"))
+        model = KimiModel(ck, backend="triton", dtype=torch.bfloat16, capture_ids=(), device=torch.device("meta"),
+                          comm=recording_comm(plan, mode))
     model.layers = [tuple(_layer_tag(mode, i, f) for f in layer) for i, layer in enumerate(model.layers)]
     return model
 

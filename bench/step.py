@@ -13,8 +13,10 @@ besides the kernels. Then every launch is costed:
 * torch op: max(bytes / HBM, flops / peak of its dtype) (gathers count the rows read, not the table);
 * every launch (kdsl or torch) adds the stated launch gap (`autotune.costmodel.LAUNCH_GAP_US`:
   graph replay by default, `--gap eager` for eager launches); the floor has no gaps;
-* with --tp N > 1: two all-reduces of the hidden state per layer, latency + ring bytes / link
-  bandwidth (`ALLREDUCE`, stated assumptions).
+* with --tp N > 1 the model is rank 0 of the real tensor-parallel model (models.parallel: MLA by
+  heads, experts "ep" or "tp", vocab-parallel lm_head); each collective its forward calls (two
+  all-reduces per layer, the logits' all-gather) is costed as latency + ring bytes / link bandwidth
+  (`ALLREDUCE`, stated assumptions).
 
 Predicted step = sum of predicted launch times + gaps (+ all-reduces); floor = sum of floors.
 `--layers N` records N layers and scales the MoE layers' items to the config's layer count.
@@ -34,11 +36,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.meta_model import (EXPERT_FORMATS, KIMI_K25_CONFIG, HostShadowMode, build_model, per_gpu_config,
-                              run_step)
+from bench.meta_model import EXPERT_FORMATS, KIMI_K25_CONFIG, HostShadowMode, build_model, limit_layers, run_step
 
 # All-reduce of the hidden state per TP layer (twice a layer): (latency us, effective bus GB/s).
-# Stated assumptions: RCCL/NCCL small-message all-reduce ~10 us on 8 GPUs over XGMI (MI300X/MI355X)
+# Stated assumptions: RCCL/NCCL small-message collective ~10 us on 8 GPUs over XGMI (MI300X/MI355X)
 # or NVLink (H100); ring traffic 2 (N-1)/N x bytes at the effective per-GPU bandwidth.
 ALLREDUCE = {"gfx942": (10.0, 300.0), "gfx950": (10.0, 400.0), "sm90": (8.0, 350.0)}
 REPORT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "kdsl", "step_reports.json")
@@ -49,8 +50,10 @@ class UsageError(Exception):
 
 
 def load_model_config(spec: str, tp: int = 1, moe_parallel: str = "tp", layers: int | None = None) -> Any:
-    """`spec`: 'kimi-k2.5' (REFERENCE section 1 values) or a config.json path; per-GPU shapes for `tp`."""
+    """`spec`: 'kimi-k2.5' (REFERENCE section 1 values) or a config.json path, cut to its first `layers`
+    layers; raises ValueError when a `tp`-way split of it (models.parallel.ShardPlan) is impossible."""
     from models.config import parse_config
+    from models.parallel import ShardPlan
 
     if spec in ("kimi-k2.5", "kimi", "kimi-k25"):
         d = KIMI_K25_CONFIG
@@ -60,11 +63,10 @@ def load_model_config(spec: str, tp: int = 1, moe_parallel: str = "tp", layers: 
     cfg = parse_config(d)
     if not hasattr(cfg, "n_routed_experts"):
         raise ValueError(f"{spec}: not a target (DeepSeek-V3 / Kimi) config")
-    if layers is not None:
-        first = cfg.first_k_dense_replace
-        layers = max(layers, first + 1 if cfg.n_routed_experts else 1)
-        layers = min(layers, cfg.num_hidden_layers)
-    return per_gpu_config(cfg, tp, moe_parallel, layers)
+    if not 1 <= tp <= 64:
+        raise ValueError(f"--tp must be in 1..64, got {tp}")
+    ShardPlan(0, tp, moe_parallel).check(cfg)
+    return limit_layers(cfg, layers)
 
 
 @dataclass
@@ -79,17 +81,19 @@ class StepRecord:
 
 
 def record_step(cfg: Any, experts: str, arch: str, batch: int, ctx: int, q_len: int, model: Any = None,
-                mode: HostShadowMode | None = None) -> StepRecord:
+                mode: HostShadowMode | None = None, tp: int = 1, moe_parallel: str = "tp") -> StepRecord:
     """Record one forward of `batch` x `q_len` new tokens at context `ctx` (see module docstring)."""
     import kdsl as kd
     from autotune.store import lookup_log
 
     mode = mode or HostShadowMode()
     if model is None:
-        model = build_model(cfg, experts, mode)
+        model = build_model(cfg, experts, mode, tp, moe_parallel)
     mode.ops.clear()
     mode.device_reads.clear()
     mode.marks.clear()
+    mode.collectives.clear()
+    mode.last_layer = None
     mode.host_ops = 0
     t0 = time.time()
     with warnings.catch_warnings():
@@ -99,8 +103,8 @@ def record_step(cfg: Any, experts: str, arch: str, batch: int, ctx: int, q_len: 
     return StepRecord(q_len, list(rec.launches), list(log), mode, cfg.num_hidden_layers, time.time() - t0)
 
 
-def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: int = 1, ctx: int = 8192
-                  ) -> list[tuple[Any, dict[str, Any], int]]:
+def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: int = 1, ctx: int = 8192,
+                  tp: int = 1, moe_parallel: str = "tp") -> list[tuple[Any, dict[str, Any], int]]:
     """Distinct (kernel, keyed problem, smallest M launched) of the kdsl launches of the recorded
     steps (for tune-model). Kernels whose op looks up no tuned config are left out (nothing would
     read their files). The smallest M matters for decode attention: at q_len 4, M = batch x 4."""
@@ -108,7 +112,7 @@ def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: i
 
     out: dict[tuple, tuple[Any, dict[str, Any], int]] = {}
     mode = HostShadowMode()
-    model = build_model(cfg, experts, mode)
+    model = build_model(cfg, experts, mode, tp, moe_parallel)
     for ql in q_lens:
         rec = record_step(cfg, experts, arch, batch, ctx, ql, model, mode)
         looked = {e["kernel"] for e in rec.lookups}
@@ -256,23 +260,13 @@ def cost_step(rec: StepRecord, cfg: Any, arch: str, ctx: int, gap: str = "graph"
         shape = " x ".join("[" + ",".join(map(str, s)) + "]" for s in op.shapes[:3])
         items.append(Item("torch", op.name, shape, op.layer, t, t, g, weight(op.layer), {}, "torch op",
                           "memory" if mem >= comp else "compute"))
-    if tp > 1:
-        lat, bw = ALLREDUCE.get(arch, (10.0, 300.0))
-        rows = rec_rows(rec)
-        nbytes = rows * cfg.hidden_size * 2
-        t = lat + 2 * (tp - 1) / tp * nbytes / (bw * 1e9) * 1e6
-        for layer in range(rec.layers):
-            for what in ("after o_proj", "after MoE"):
-                items.append(Item("allreduce", f"all-reduce {what}", f"{nbytes} B tp={tp}", layer, t,
-                                  nbytes * 2 * (tp - 1) / tp / (bw * 1e9) * 1e6, 0.0, weight(layer), {}, "", "link"))
+    lat, bw = ALLREDUCE.get(arch, (10.0, 300.0))
+    for c in rec.mode.collectives:     # what the tensor-parallel forward called (bench.meta_model.recording_comm)
+        link = 2 * (tp - 1) / tp * c.nbytes if c.kind == "all_reduce" else (tp - 1) / tp * c.nbytes * tp
+        t = link / (bw * 1e9) * 1e6
+        items.append(Item("allreduce", c.kind.replace("_", "-"), f"{c.nbytes} B tp={tp}", c.layer, lat + t, t, 0.0,
+                          weight(c.layer), {}, "", "link"))
     return items
-
-
-def rec_rows(rec: StepRecord) -> int:
-    for r in rec.launches:
-        if r.kernel.name == "rmsnorm":
-            return int(r.dims.get("M", 1))
-    return rec.q_len
 
 
 def launch_layers(rec: StepRecord) -> list[int | None]:
@@ -373,12 +367,16 @@ def plot(summaries: list[tuple[str, dict[str, Any]]], path: str) -> None:
     plt.close(fig)
 
 
-def measure_gpu(cfg: Any, experts: str, batch: int, ctx: int, q_len: int, iters: int = 5) -> dict[str, Any]:
-    """On a GPU: the step run for real (random weights, `cfg`'s layers) in eager mode, and under a
-    CUDA/HIP graph when the forward can be captured (it cannot while it reads the host)."""
+def measure_gpu(cfg: Any, experts: str, batch: int, ctx: int, q_len: int, iters: int = 20) -> dict[str, Any]:
+    """On a GPU: the device step (`KimiModel.step`, random weights, `cfg`'s layers, a paged cache at
+    context `ctx`) timed eagerly and replayed from a CUDA/HIP graph, each the median of `iters` runs
+    bracketed by device events. The lengths are reset on the device before each step (inside the
+    graph too), so every run sees the same context."""
     import torch
 
-    from bench.meta_model import meta_cache, meta_checkpoint
+    from bench.meta_model import meta_checkpoint
+    from models.formats import QuantLinear
+    from models.kimi import KimiModel
 
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0)}
     ck = meta_checkpoint(cfg, experts)
@@ -388,49 +386,46 @@ def measure_gpu(cfg: Any, experts: str, batch: int, ctx: int, q_len: int, iters:
             return torch.randint(-2 ** 31, 2 ** 31 - 1, t.shape, dtype=torch.int64, device="cuda").to(t.dtype)
         return (torch.randn(t.shape, device="cuda", dtype=torch.float32) * 0.02).to(t.dtype)
 
-    from models.formats import QuantLinear
-
     for n, w in list(ck.weights.items()):
         ck.weights[n] = w.__class__(**{**w.__dict__, "packed": real(w.packed), "scale": real(w.scale).abs() * 0.01}) \
             if isinstance(w, QuantLinear) else real(w)
-    from models.kimi import KimiModel
-
-    with torch.device("cuda"):
-        model = KimiModel(ck, backend="triton", dtype=torch.bfloat16, capture_ids=())
-    cache = meta_cache(cfg, batch, ctx, q_len)
-    cache.kv = [torch.randn(k.shape, device="cuda", dtype=torch.float32).to(k.dtype) * 0.1 for k in cache.kv]
-    toks = [(b, [1 + j for j in range(q_len)]) for b in range(batch)]
+    model = KimiModel(ck, backend="triton", dtype=torch.bfloat16, capture_ids=(), device="cuda")
+    cache = model.new_cache(batch, ctx + q_len, page_size=64)
+    cache.table.reserve_all(ctx + q_len)
+    for kv in cache.kv:
+        kv.normal_(0, 0.1)
+    tokens = torch.ones(batch, q_len, dtype=torch.long, device="cuda")
 
     def step() -> None:
-        for b in range(batch):
-            cache.table.lengths[b] = ctx
-        with torch.device("cuda"):
-            model.forward(cache, toks)
+        cache.table.lens.fill_(ctx)
+        model.step(cache, tokens)
+
+    def timed(fn: Any) -> float:
+        ts = []
+        for _ in range(iters):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            torch.cuda.synchronize()
+            ts.append(e0.elapsed_time(e1) * 1e3)
+        return sorted(ts)[len(ts) // 2]
 
     step()
     torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        step()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3)
-    out["eager_us"] = sorted(ts)[len(ts) // 2]
+    out["eager_us"] = timed(step)
     try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             step()
         g.replay()
         torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(iters):
-            g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        out["graph_us"] = e0.elapsed_time(e1) * 1e3 / iters
+        out["graph_us"] = timed(g.replay)
     except Exception as e:  # noqa: BLE001
         out["graph_us"] = None
         out["graph_error"] = f"not capturable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
@@ -453,8 +448,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ctx", type=int, default=8192, help="cached tokens per sequence (default 8192)")
     p.add_argument("--q-lens", default="1,4", help="q_len per step: 1 = decode, 4 = verify (default 1,4)")
     p.add_argument("--layers", type=int, default=None, help="record this many layers and scale to the config's count")
-    p.add_argument("--tp", type=int, default=1, help="per-GPU shapes of TP N (the model has no TP yet: shapes only)")
-    p.add_argument("--moe-parallel", default="tp", choices=("tp", "ep"), help="MoE split with --tp (default tp)")
+    p.add_argument("--tp", type=int, default=1, help="rank 0 of an N-way tensor-parallel model (models.parallel), its collectives costed")
+    p.add_argument("--moe-parallel", default="tp", choices=("tp", "ep"), help="routed experts with --tp: tp (intermediate / N) or ep (E / N whole experts); default tp")
     p.add_argument("--gap", default="graph", choices=("graph", "eager"), help="launch gap figure (default graph)")
     p.add_argument("--top", type=int, default=10, help="items listed per step (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
@@ -509,14 +504,11 @@ def main(argv: list[str] | None = None) -> int:
                                            "allreduce_latency_us_bw_gbps": ALLREDUCE,
                                            "lds_bytes_per_clk": costmodel.LDS_BYTES_PER_CLK},
                            "steps": []}
-    if a.tp > 1:
-        log(f"note: the model has no tensor parallelism yet; --tp {a.tp} builds the per-GPU shapes "
-            f"(heads, intermediate{' ' if a.moe_parallel == 'tp' else ', experts '}/ {a.tp}) and adds all-reduce terms")
     plots = []
     for fmt in a.fmts:
         mode = HostShadowMode()
         t0 = time.time()
-        model = build_model(cfg, fmt, mode)
+        model = build_model(cfg, fmt, mode, a.tp, a.moe_parallel)
         log(f"built {fmt} model ({cfg.num_hidden_layers} layers) on meta in {time.time() - t0:.1f}s")
         for arch in a.archs:
             for ql in a.qls:
@@ -546,10 +538,11 @@ def main(argv: list[str] | None = None) -> int:
         gpu = torch.cuda.is_available() and not a.no_measure
     except Exception:  # noqa: BLE001
         gpu = False
+    if gpu and (cfg.num_hidden_layers > 4 or a.tp > 1):
+        log("note: not measured on the GPU: that needs the weights in memory and one process per rank; pass "
+            "--layers 2..4 and --tp 1 (the prediction for the same recorded layers is printed beside it)")
+        gpu = False
     if gpu:
-        if cfg.num_hidden_layers > 4:
-            log("note: measuring on the GPU needs the weights in memory: pass --layers 2..4 (the prediction "
-                "for the same recorded layers is printed beside it)")
         for fmt in a.fmts:
             for ql in a.qls:
                 try:

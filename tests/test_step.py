@@ -1,6 +1,7 @@
 """The decode step as a unit (bench.step, bench.meta_model) and the cost-model pieces it relies on:
 loop detection, LDS time, overlap by occupancy, split traffic, helper hashes, config lookup order,
 temp-file cleanup, and the autotune CLI's one-line errors."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -248,13 +249,32 @@ def test_meta_forward_records_the_step():
     assert model.embed.device.type == "meta" and model.lm_head.dense.device.type == "meta"  # no weight memory
 
 
-def test_per_gpu_shapes_for_tp():
-    from bench.step import load_model_config
+def test_tp_step_is_rank0_of_the_parallel_model():
+    """--tp builds rank 0 of the real tensor-parallel model: per-GPU kernel shapes and the forward's
+    own collectives (two all-reduces per layer, the logits' all-gather), costed."""
+    from bench.meta_model import HostShadowMode, build_model
+    from bench.step import cost_step, load_model_config, record_step
 
-    c = load_model_config("kimi-k2.5", tp=8)
-    assert (c.num_attention_heads, c.moe_intermediate_size, c.intermediate_size, c.vocab_size) == (8, 256, 2304, 20480)
-    e = load_model_config("kimi-k2.5", tp=8, moe_parallel="ep")
-    assert e.n_routed_experts == 48 and e.moe_intermediate_size == 2048
+    cfg = load_model_config("kimi-k2.5", tp=8, moe_parallel="ep", layers=2)
+    assert cfg.num_attention_heads == 64                      # the full config; the plan splits it
+    for moe, want in (("ep", {"E": 48, "I": 2048}), ("tp", {"E": 384, "I": 256})):
+        mode = HostShadowMode()
+        model = build_model(cfg, "w4a8", mode, 8, moe)
+        rec = record_step(cfg, "w4a8", "gfx942", 1, 8192, 1, model, mode)
+        by = {}
+        for r in rec.launches:
+            by.setdefault(r.kernel.name, []).append(r.dims)
+        assert {d["H"] for d in by["mla_decode_split"]} == {8}
+        assert by["moe_route"][0]["E"] == 384                 # the router stays replicated
+        s1 = by["moe_stage1_w4a8"][0]
+        assert (s1["E"], s1["I"]) == (want["E"], want["I"])
+        assert by["gemm_bf16"][-1]["N"] == 163840 // 8        # vocab-parallel lm_head
+        kinds = [(c.kind, c.layer) for c in rec.mode.collectives]
+        assert kinds == [("all_reduce", 0), ("all_reduce", 0), ("all_reduce", 1), ("all_reduce", 1), ("all_gather", None)]
+        assert rec.mode.collectives[0].nbytes == 7168 * 2 and rec.mode.collectives[-1].nbytes == 163840 // 8 * 4
+        items = cost_step(dataclasses.replace(rec, launches=[]), cfg, "gfx942", 8192, tp=8)   # no AOT compiles
+        links = [it for it in items if it.kind == "allreduce"]
+        assert len(links) == 5 and all(it.predicted_us > it.floor_us > 0 for it in links)
     with pytest.raises(ValueError, match="--tp 5"):
         load_model_config("kimi-k2.5", tp=5)
 
