@@ -303,7 +303,7 @@ def _add_tune_model(sub: Any) -> None:
     m = sub.add_parser("tune-model", help="tune every kernel one decode and verify step of a model launches "
                                           "(found by recording the step on meta tensors), M buckets 1..128")
     m.add_argument("--config", required=True, help="the model's config.json (Kimi-K2.5 / DeepSeek-V3), or 'kimi-k2.5'")
-    m.add_argument("--experts", default="w4a8", help="routed-expert format: w4a8 | w4a16 (default w4a8)")
+    m.add_argument("--experts", default="w4a8", help="routed-expert format: w4a8 | w4a16 | mxfp4 (default w4a8)")
     m.add_argument("--tp", type=int, default=1, help="per-GPU shapes of tensor parallelism N (heads, intermediate / N)")
     m.add_argument("--moe-parallel", default="tp", help="tp (intermediate / N) or ep (experts / N) with --tp")
     m.add_argument("--arch", required=True, help="gfx942 | gfx950 | sm90")
@@ -329,8 +329,8 @@ def cmd_tune_model(a: argparse.Namespace) -> int:
     out = None if a.dry_run else _out_dir(a)
     ms = _ms(a.m)
     qls = _ms(a.q_lens, "--q-lens")
-    if a.experts not in ("w4a8", "w4a16"):
-        _fail(f"autotune: --experts must be w4a8 or w4a16, got {a.experts!r}")
+    if a.experts not in ("w4a8", "w4a16", "mxfp4"):
+        _fail(f"autotune: --experts must be w4a8, w4a16 or mxfp4, got {a.experts!r}")
     if not 1 <= a.tp <= 64:
         _fail(f"autotune: --tp must be in 1..64, got {a.tp}")
     try:

@@ -4,8 +4,8 @@ Two pieces, kept apart from the bench's cost accounting (bench/step.py):
 
 * `meta_checkpoint(cfg, experts)`: a `models.loader.Checkpoint` whose every tensor is a meta
   tensor of the shape the config implies (`models.loader.expected_shapes`), routed experts as
-  `QuantLinear`s in the W4A8 (Quark int4 per-channel) or W4A16 (compressed-tensors int4 g32)
-  layout, everything else bf16 as in the published checkpoints. No weight memory is allocated.
+  `QuantLinear`s in the W4A8 (Quark int4 per-channel), W4A16 (compressed-tensors int4 g32) or
+  MXFP4 (Quark OCP MX, W4A4) layout, everything else bf16 as in the published checkpoints. No weight memory is allocated.
 * `HostShadowMode`: a TorchDispatchMode under which the forward runs with meta as the default
   device. The model still reads the host in places (token lists, page tables, `.tolist()` of
   lengths): small tensors built from host data keep a CPU "shadow" that every op on shadowed
@@ -46,7 +46,14 @@ KIMI_K25_TEXT = {
 KIMI_K25_CONFIG = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
                    "text_config": KIMI_K25_TEXT}
 
-EXPERT_FORMATS = ("w4a8", "w4a16")
+EXPERT_FORMATS = ("w4a8", "w4a16", "mxfp4")
+# the quantization_config of an OCP MXFP4 (W4A4) checkpoint as AMD Quark writes it (amd/Kimi-K2.5-MXFP4):
+# E2M1 weights with E8M0 scales per 32 inputs, activations quantized to MXFP4 per 32 at run time
+_MX_SPEC = {"dtype": "fp4", "qscheme": "per_group", "ch_axis": -1, "group_size": 32, "scale_format": "e8m0",
+            "scale_calculation_mode": "even"}
+MXFP4_QUANT = {"quant_method": "quark", "export": {"pack_method": "reorder"},
+               "global_quant_config": {"weight": {**_MX_SPEC, "is_dynamic": False},
+                                       "input_tensors": {**_MX_SPEC, "is_dynamic": True}}}
 SHADOW_MAX_NUMEL = 1 << 16  # host-built tensors up to this size keep a CPU shadow
 
 
@@ -75,6 +82,9 @@ def _expert_linear(n: int, k: int, experts: str) -> Any:
     if experts == "w4a16":
         return QuantLinear("int4", packed, _meta((n, k // 32), torch.bfloat16), 32, "ct", (n, k),
                            "compressed-tensors")
+    if experts == "mxfp4":
+        return QuantLinear("mxfp4", _meta((n, k // 2), torch.uint8), _meta((n, k // 32), torch.uint8), 32, "e2m1",
+                           (n, k), "quark-mxfp4")
     raise ValueError(f"experts format must be one of {EXPERT_FORMATS}, got {experts!r}")
 
 
@@ -86,6 +96,10 @@ def meta_checkpoint(cfg: Any, experts: str = "w4a8", plan: Any = None) -> Any:
 
     from models.loader import Checkpoint, expected_shapes
 
+    if experts == "mxfp4":   # the activation format comes from the checkpoint's quantization_config
+        from models.config import QuantConfig
+
+        cfg = dataclasses.replace(cfg, quantization=QuantConfig.parse(MXFP4_QUANT, "quantization_config"))
     E = getattr(cfg, "n_routed_experts", 0)
     weights: dict[str, Any] = {}
     for name, shape in expected_shapes(cfg).items():

@@ -443,7 +443,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p = P(prog="python -m bench.step", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="kimi-k2.5", help="config.json of the target, or 'kimi-k2.5' (default)")
     p.add_argument("--arch", default="gfx942,gfx950", help="comma-separated: gfx942, gfx950, sm90")
-    p.add_argument("--experts", default="w4a8,w4a16", help="routed-expert formats, comma-separated: w4a8, w4a16")
+    p.add_argument("--experts", default="w4a8,w4a16", help="routed-expert formats, comma-separated: w4a8, w4a16, mxfp4 (default w4a8,w4a16)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--ctx", type=int, default=8192, help="cached tokens per sequence (default 8192)")
     p.add_argument("--q-lens", default="1,4", help="q_len per step: 1 = decode, 4 = verify (default 1,4)")

@@ -249,6 +249,20 @@ def test_meta_forward_records_the_step():
     assert model.embed.device.type == "meta" and model.lm_head.dense.device.type == "meta"  # no weight memory
 
 
+def test_meta_forward_mxfp4_experts():
+    """The MXFP4 (W4A4) checkpoint layout runs its own MoE kernels in the recorded step."""
+    from bench.meta_model import HostShadowMode, build_model
+    from bench.step import load_model_config, record_step
+
+    cfg = load_model_config("kimi-k2.5", layers=2)
+    mode = HostShadowMode()
+    rec = record_step(cfg, "mxfp4", "gfx950", 1, 8192, 1, build_model(cfg, "mxfp4", mode), mode)
+    names = [r.kernel.name for r in rec.launches]
+    assert names.count("moe_stage1_mxfp4") == 1 and names.count("moe_stage2_mxfp4") == 1
+    assert "quant_mxfp4" in names and not any(n.startswith("moe_stage1_w4a") for n in names)
+    assert rec.mode.device_reads == []
+
+
 def test_tp_step_is_rank0_of_the_parallel_model():
     """--tp builds rank 0 of the real tensor-parallel model: per-GPU kernel shapes and the forward's
     own collectives (two all-reduces per layer, the logits' all-gather), costed."""
