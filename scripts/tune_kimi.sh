@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Regenerate the committed tuned configs for the Kimi-K2.5 + EAGLE-3 shapes (static mode: no GPU
-# needed). Usage: bash scripts/tune_kimi.sh [group ...]   groups: moe mla mha step mxfp4 (default: moe mla mha).
+# needed). Usage: bash scripts/tune_kimi.sh [group ...]   groups: moe mla mha step tp mxfp4 (default: moe mla mha).
 # "step" tunes every kernel the Kimi decode/verify step launches (autotune tune-model, both expert
 # formats, M buckets 1..128); STEP_FLAGS adds flags to it (e.g. "--skip-tuned --max-candidates 12").
+# "tp" tunes the per-GPU shapes of the deployments: TP8 on gfx942 (MI300X/MI325X), TP4 and TP8 on gfx950
+# (MI355X), tensor-parallel experts (intermediate / N) and expert-parallel EP8 (E / 8 whole experts).
 # Extra flags for every run go in TUNE_FLAGS, e.g. TUNE_FLAGS="--mode measured --arch current".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +43,18 @@ step() {  # every kdsl launch of the recorded decode (q_len 1) and verify (q_len
     for experts in w4a8 w4a16; do
       python -m autotune tune-model --config kimi-k2.5 --experts "$experts" --arch "$arch" --in-place \
         --quiet ${STEP_FLAGS:-}
+    done
+  done
+}
+tp() {  # every kdsl launch of the step at the deployed per-GPU shapes (STEP_FLAGS as for "step")
+  for spec in "gfx942 8" "gfx950 4" "gfx950 8"; do
+    set -- $spec
+    for experts in w4a8 w4a16; do
+      for mp in tp ep; do
+        [ "$mp" = ep ] && [ "$2" != 8 ] && continue
+        python -m autotune tune-model --config kimi-k2.5 --experts "$experts" --arch "$1" --tp "$2" \
+          --moe-parallel "$mp" --in-place --quiet ${STEP_FLAGS:-}
+      done
     done
   done
 }
