@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate the committed tuned configs for the Kimi-K2.5 + EAGLE-3 shapes (static mode: no GPU
-# needed). Usage: bash scripts/tune_kimi.sh [group ...]   groups: moe mla mha step mxfp4 (default: moe mla mha).
+# needed). Usage: bash scripts/tune_kimi.sh [group ...]   groups: moe mla mha step mxfp4 draft (default: moe mla mha).
 # "step" tunes every kernel the Kimi decode/verify step launches (autotune tune-model, both expert
 # formats, M buckets 1..128); STEP_FLAGS adds flags to it (e.g. "--skip-tuned --max-candidates 12").
 # Extra flags for every run go in TUNE_FLAGS, e.g. TUNE_FLAGS="--mode measured --arch current".
@@ -42,6 +42,15 @@ step() {  # every kdsl launch of the recorded decode (q_len 1) and verify (q_len
       python -m autotune tune-model --config kimi-k2.5 --experts "$experts" --arch "$arch" --in-place \
         --quiet ${STEP_FLAGS:-}
     done
+  done
+}
+draft() {  # every kdsl launch of the EAGLE-3 draft's step (TP1, replicated on every rank; bf16): q_len 1 draft
+  # steps and the q_len 4 extend after verify, M buckets 1..128 (autotune tune-model --model draft); problems the
+  # target's step launches too (lm_head, o_proj, rmsnorm) are left to "step". DRAFT_FLAGS adds flags to it
+  # (e.g. "--skip-tuned --max-candidates 12 --workers 1").
+  for arch in $ARCHS; do
+    python -m autotune tune-model --model draft --draft-config kimi-k2.5-eagle3 --arch "$arch" --in-place \
+      --quiet ${DRAFT_FLAGS:-}
   done
 }
 groups=("$@")
