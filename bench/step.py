@@ -22,6 +22,10 @@ Predicted step = sum of predicted launch times + gaps (+ all-reduces); floor = s
 `--layers N` records N layers and scales the MoE layers' items to the config's layer count.
 On a machine with a GPU the step is also run and timed (eager; graph capture when the forward
 allows it) next to the prediction.
+
+`--model draft` records and costs the EAGLE-3 draft's step instead (models.eagle3.Eagle3Draft at TP1,
+bench.meta_model.build_draft / run_draft_step); `--model both` both, plus the chain spec step (verify
+at q_len k+1, k-1 draft steps at q_len 1, the draft's extend at q_len k+1) per arch and format.
 """
 from __future__ import annotations
 
@@ -602,6 +606,7 @@ DRAFT_MODELS = ("target", "draft", "both")
 # Accept lengths users report for Kimi-K2.5 + its EAGLE-3 draft (REFERENCE section 8, chain k=3):
 # tokens committed per spec step, to turn the spec step into a time per token comparable with TPOT.
 ACCEPT_LENGTHS = {"MT-Bench": 2.69, "GSM8K": 3.20}
+ACCEPT_LENGTHS_K = 3   # the chain length those figures were measured at (other k: no per-token figure)
 # the draft is one decoder layer; the cost and summary code reads these two fields of a layout
 _DRAFT_LAYOUT = type("DraftLayout", (), {"first_k_dense_replace": 0, "num_hidden_layers": 1})()
 
@@ -740,12 +745,13 @@ def spec_step(target_verify: dict[str, Any], draft_q1: dict[str, Any], draft_ext
     parts = [("target verify", target_verify, 1), ("draft", draft_q1, k - 1), ("draft extend", draft_ext, 1)]
     pred = sum(s["predicted_us"] * n for _, s, n in parts)
     floor = sum(s["floor_us"] * n for _, s, n in parts)
+    accept = ACCEPT_LENGTHS if k == ACCEPT_LENGTHS_K else {}
     out = {"k": k, "predicted_us": pred, "floor_us": floor, "ratio": pred / floor if floor else math.inf,
            "launches": sum(s["launches"] * n for _, s, n in parts),
            "parts": [{"what": w, "q_len": s["q_len"], "count": n, "predicted_us": s["predicted_us"],
                       "floor_us": s["floor_us"]} for w, s, n in parts],
-           "per_token_us": {f"{name} (accept {al})": pred / al for name, al in ACCEPT_LENGTHS.items()},
-           "per_token_floor_us": {f"{name} (accept {al})": floor / al for name, al in ACCEPT_LENGTHS.items()}}
+           "per_token_us": {f"{name} (accept {al})": pred / al for name, al in accept.items()},
+           "per_token_floor_us": {f"{name} (accept {al})": floor / al for name, al in accept.items()}}
     if target_decode is not None:
         out["plain_decode_us"] = target_decode["predicted_us"]
         out["plain_decode_floor_us"] = target_decode["floor_us"]
@@ -776,7 +782,7 @@ def print_spec(sp: dict[str, Any]) -> None:
     print(f"spec step predicted {sp['predicted_us'] / 1e3:.3f} ms  floor {sp['floor_us'] / 1e3:.3f} ms  "
           f"ratio {sp['ratio']:.2f}x  ({sp['launches']} launches)")
     per = "; ".join(f"{n}: {v / 1e3:.3f} ms (floor {sp['per_token_floor_us'][n] / 1e3:.3f})"
-                    for n, v in sp["per_token_us"].items())
+                    for n, v in sp["per_token_us"].items()) or f"no reported accept length at k={sp['k']}"
     plain = (f"; plain decode {sp['plain_decode_us'] / 1e3:.3f} ms (floor {sp['plain_decode_floor_us'] / 1e3:.3f})"
              if "plain_decode_us" in sp else "")
     print(f"per token (compare with TPOT): {per}{plain}")
