@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
 def _add_tune_model(sub: Any) -> None:
     m = sub.add_parser("tune-model", help="tune every kernel one decode and verify step of a model launches "
                                           "(found by recording the step on meta tensors), M buckets 1..128")
-    m.add_argument("--config", required=True, help="the model's config.json (Kimi-K2.5 / DeepSeek-V3), or 'kimi-k2.5'")
+    m.add_argument("--config", default=None, help="the model's config.json (Kimi-K2.5 / DeepSeek-V3), or 'kimi-k2.5' "
+                                                "(required for --model target)")
     m.add_argument("--experts", default="w4a8", help="routed-expert format: w4a8 | w4a16 | mxfp4 (default w4a8)")
     m.add_argument("--tp", type=int, default=1, help="per-GPU shapes of tensor parallelism N (heads, intermediate / N)")
     m.add_argument("--moe-parallel", default="tp", help="tp (intermediate / N) or ep (experts / N) with --tp")
@@ -320,11 +321,16 @@ def _add_tune_model(sub: Any) -> None:
     m.add_argument("--skip-tuned", action="store_true", help="skip problems that already have a file with every bucket")
     m.add_argument("--dry-run", action="store_true", help="list the problems, tune nothing")
     m.add_argument("--quiet", action="store_true")
+    _add_tune_model_draft(m)
     m.set_defaults(func=cmd_tune_model, mode="static", module=None)
 
 
 def cmd_tune_model(a: argparse.Namespace) -> int:
     """Record the model's steps, collect the distinct (kernel, problem) launches, tune each."""
+    if a.model == "draft":
+        return cmd_tune_model_draft(a)
+    if a.config is None:
+        _fail("autotune: tune-model: --config is required (the target's config.json or 'kimi-k2.5')")
     _common_checks(a)
     out = None if a.dry_run else _out_dir(a)
     ms = _ms(a.m)
@@ -367,6 +373,97 @@ def cmd_tune_model(a: argparse.Namespace) -> int:
                     print(f"  skip {label}: {path} has every bucket")
                     continue
             except Exception:  # noqa: BLE001
+                pass
+        print(f"  tune {label}", flush=True)
+        try:
+            p, doc = tune(kern, a.arch, prob, want, budget_s=a.budget_s, seed=a.seed, out=out,
+                          max_candidates=a.max_candidates, workers=a.workers, progress=not a.quiet,
+                          cu_count=a.cu_count)
+        except Exception as e:  # noqa: BLE001 - one problem failing does not stop the others
+            print(f"  FAILED {label}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            continue
+        print(f"  wrote {p}" + ("  (budget hit)" if doc["provenance"].get("budget_hit") else ""))
+        print(paste_lines(doc))
+    return 0
+
+
+def _add_tune_model_draft(m: argparse.ArgumentParser) -> None:
+    m.add_argument("--model", default="target", choices=("target", "draft"),
+                   help="target (default): the target's steps from --config; draft: the EAGLE-3 draft's steps "
+                        "(TP1, bf16) from --draft-config")
+    m.add_argument("--draft-config", default="kimi-k2.5-eagle3",
+                   help="with --model draft: the draft's config.json, or 'kimi-k2.5-eagle3' (default)")
+    m.add_argument("--include-shared", action="store_true",
+                   help="with --model draft: tune also the problems the target's step launches (default: left to "
+                        "--model target, which owns those files)")
+
+
+def cmd_tune_model_draft(a: argparse.Namespace) -> int:
+    """tune-model --model draft: record the draft's steps (q_len 1: carried state; q_len > 1: the
+    extend over the target's aux rows), and tune each distinct (kernel, problem) at the M buckets.
+    Problems the target's TP1 step also launches (e.g. lm_head, o_proj, rmsnorm at the same shapes) are
+    skipped unless --include-shared: one owner per file."""
+    _common_checks(a)
+    out = None if a.dry_run else _out_dir(a)
+    ms = _ms(a.m)
+    qls = [int(q) for q in _ms(a.q_lens, "--q-lens") if q != ANY]
+    if not qls or any(q > 16 for q in qls):
+        _fail(f"autotune: --q-lens must be ints in 1..16 for the draft, got {a.q_lens!r}")
+    if a.tp != 1:
+        _fail("autotune: --tp: the draft runs replicated at TP1 on every rank; tune it without --tp")
+    try:
+        from bench.step import draft_step_problems, load_draft_config, load_model_config, step_problems
+    except ImportError as e:
+        _fail(f"autotune: tune-model needs the bench package of a checkout (run from the repository root): {e}")
+    try:
+        dcfg = load_draft_config(a.draft_config)
+    except (ValueError, OSError) as e:
+        _fail(f"autotune: --draft-config {a.draft_config!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    probs = draft_step_problems(dcfg, a.arch, qls)
+    print(f"{len(probs)} distinct kernel problems in the draft step ({dcfg.architecture}, tp 1, {a.arch})")
+    if not a.include_shared:
+        spec = a.config or "kimi-k2.5"
+        try:
+            tcfg = load_model_config(spec, layers=2)
+        except (ValueError, OSError) as e:
+            _fail(f"autotune: --config {spec!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        target = {(k.name, json.dumps(p, sort_keys=True)) for k, p, _ in step_problems(tcfg, a.experts, a.arch, qls)}
+        kept = []
+        for k, p, m in probs:
+            if (k.name, json.dumps(p, sort_keys=True)) in target:
+                print(f"  shared with the target step, left to --model target: {k.name} "
+                      + ",".join(f"{d}={v}" for d, v in p.items()))
+            else:
+                kept.append((k, p, m))
+        probs = kept
+    return _tune_draft_problems(a, probs, out, ms)
+
+
+
+def _tune_draft_problems(a: argparse.Namespace, probs: list, out: str | None, ms: list[Any]) -> int:
+    """Tune each (kernel, problem, smallest M) of the draft's step at the M buckets it can use (as
+    cmd_tune_model does for the target's)."""
+    from .buckets import bucket_for
+    from .search import tune
+    from .store import file_path, load_file
+
+    only = set(x.strip() for x in a.only.split(",")) if a.only else None
+    for kern, prob, m_min in probs:
+        if only and kern.name not in only:
+            continue
+        lo = bucket_for(max(1, m_min))       # the extend's launches (q_len k+1) never run below M = k+1
+        want = [m for m in ms if m == ANY or bucket_for(m) >= lo] or [lo, ANY]
+        label = f"{kern.name} " + ",".join(f"{k}={v}" for k, v in prob.items())
+        if a.dry_run:
+            print("  " + label)
+            continue
+        path = file_path(kern, a.arch, prob, out)
+        if a.skip_tuned and os.path.exists(path):
+            try:
+                if all(m in {e["bucket"] for e in load_file(path)["entries"]} for m in want):
+                    print(f"  skip {label}: {path} has every bucket")
+                    continue
+            except Exception:  # noqa: BLE001 - an unreadable file is tuned again
                 pass
         print(f"  tune {label}", flush=True)
         try:

@@ -16,6 +16,8 @@ Two pieces, kept apart from the bench's cost accounting (bench/step.py):
 
 `build_model(...)` is the one place that constructs the model (rank 0 of a tensor-parallel deployment
 when tp > 1, its collectives recorded, not run): when models/kimi.py changes its constructor, adapt it here.
+`build_draft(cfg)` is the same one place for the EAGLE-3 draft (`models.eagle3.Eagle3Draft`), and
+`run_draft_step(...)` runs its device step as `run_step` runs the target's.
 """
 from __future__ import annotations
 
@@ -395,3 +397,77 @@ def run_step(model: Any, cfg: Any, mode: HostShadowMode, batch: int, ctx: int, q
     with meta_forward(mode):
         tokens = torch.ones(batch, q_len, dtype=torch.long)
         model.step(cache, tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# the EAGLE-3 draft (replicated at TP1 on every rank of a deployment)
+
+# lightseekorg/kimi-k2.5-eagle3 (REFERENCE section 2), as a draft config.json spells it. Fields the
+# reference leaves UNCONFIRMED, and the value chosen here: num_key_value_heads 64 (the 64 x 128 MHA cache
+# the reference describes; 16 is the other candidate), intermediate_size 12288 (the training template),
+# rope theta 50000 with the target's yarn scaling (the draft attends at the target's positions; the other
+# candidate, theta 1e6 unscaled, changes only the host-built rope table, not a launch), aux ids
+# [1, 29, 57] in the +1 convention. Full-vocab head (draft_vocab_size = vocab_size: no d2t), bf16 weights.
+KIMI_K25_EAGLE3_CONFIG = {
+    "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 7168,
+    "target_hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128,
+    "intermediate_size": 12288, "num_hidden_layers": 1, "vocab_size": 163840, "draft_vocab_size": 163840,
+    "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "max_position_embeddings": 262144,
+    "rope_scaling": dict(KIMI_K25_TEXT["rope_scaling"]), "tie_word_embeddings": False, "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True},
+}
+DRAFT_PAGE_SIZE = 64   # the draft's MHA cache pages (as the target's latent cache in meta_cache)
+
+
+def meta_draft_checkpoint(cfg: Any) -> Any:
+    """A draft Checkpoint of bf16 meta tensors with the shapes the Eagle3Config implies, its own
+    `embed_tokens` included (the released draft ships one); no weight memory is allocated."""
+    from pathlib import Path
+
+    from models.loader import Checkpoint, expected_shapes
+
+    weights: dict[str, Any] = {n: _meta(s, torch.int64 if n == "d2t" else torch.bfloat16)
+                               for n, s in expected_shapes(cfg).items() if s is not None}
+    weights["embed_tokens.weight"] = _meta((cfg.vocab_size, cfg.hidden_size), torch.bfloat16)
+    return Checkpoint(Path("<meta>"), cfg, weights)
+
+
+def build_draft(cfg: Any) -> Any:
+    """The one place that constructs the draft: `models.eagle3.Eagle3Draft` (backend "triton") over a
+    meta checkpoint. When models/eagle3.py changes its constructor, adapt it here."""
+    from models.config import Eagle3Config
+    from models.eagle3 import Eagle3Draft
+
+    if not isinstance(cfg, Eagle3Config):
+        raise ValueError(f"not an EAGLE-3 draft config ({type(cfg).__name__})")
+    if cfg.quantization is not None:
+        raise ValueError("quantized drafts are not modelled here (the released Kimi-K2.5 draft is bf16)")
+    with torch.device("meta"):
+        return Eagle3Draft(meta_draft_checkpoint(cfg), backend="triton", dtype=torch.bfloat16,
+                           device=torch.device("meta"))
+
+
+def meta_draft_cache(draft: Any, batch: int, ctx: int, q_len: int) -> Any:
+    """The draft's own cache on meta (`Eagle3Draft.new_cache`, as the engine makes it) with pages
+    reserved for ctx + q_len, so its block-table width (and the attention's split plan) is this context."""
+    cache = draft.new_cache(batch, ctx + q_len, DRAFT_PAGE_SIZE)
+    cache.table.reserve_all(ctx + q_len)
+    return cache
+
+
+def run_draft_step(draft: Any, mode: HostShadowMode, batch: int, ctx: int, q_len: int,
+                   hidden: str | None = None) -> None:
+    """One `Eagle3Draft.step` (the device step models/spec.py's chain loop runs) of `batch` x `q_len`
+    rows at context `ctx` on meta inputs. `hidden`: "carry" feeds the draft's own pre-norm state
+    [B, q_len, H] (the single-row draft steps), "aux" the target's three captured rows [B, q_len, 3H]
+    (the extend after verify, q_len k+1: fc runs); default carry at q_len 1, aux above."""
+    hidden = hidden or ("carry" if q_len == 1 else "aux")
+    if hidden not in ("carry", "aux"):
+        raise ValueError(f"hidden must be 'carry' or 'aux', got {hidden!r}")
+    width = draft.cfg.hidden_size if hidden == "carry" else 3 * draft.target_hidden
+    cache = meta_draft_cache(draft, batch, ctx, q_len)
+    with meta_forward(mode):
+        tokens = torch.ones(batch, q_len, dtype=torch.long)
+        states = torch.empty(batch, q_len, width, dtype=torch.bfloat16)
+        draft.step(cache, tokens, states)

@@ -22,6 +22,10 @@ Predicted step = sum of predicted launch times + gaps (+ all-reduces); floor = s
 `--layers N` records N layers and scales the MoE layers' items to the config's layer count.
 On a machine with a GPU the step is also run and timed (eager; graph capture when the forward
 allows it) next to the prediction.
+
+`--model draft` records and costs the EAGLE-3 draft's step instead (models.eagle3.Eagle3Draft at TP1,
+bench.meta_model.build_draft / run_draft_step); `--model both` both, plus the chain spec step (verify
+at q_len k+1, k-1 draft steps at q_len 1, the draft's extend at q_len k+1) per arch and format.
 """
 from __future__ import annotations
 
@@ -456,6 +460,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, help="write the waterfall PNG here")
     p.add_argument("--workers", type=int, default=None, help="parallel AOT compiles (default min(4, cores))")
     p.add_argument("--no-measure", action="store_true", help="skip the GPU measurement even when a GPU is present")
+    _add_draft_args(p)
     a = p.parse_args(argv)
     for flag, v, lo, hi in (("--batch", a.batch, 1, 4096), ("--ctx", a.ctx, 1, 1 << 22), ("--tp", a.tp, 1, 64),
                             ("--top", a.top, 1, 1000)):
@@ -481,6 +486,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError(f"bench.step: --q-lens values must be in 1..16, got {a.q_lens!r}")
     if a.plot and os.path.isdir(a.plot):
         raise UsageError(f"bench.step: --plot {a.plot!r} is a folder; give a .png path")
+    _check_draft_args(a)
     return a
 
 
@@ -492,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_model_config(a.config, a.tp, a.moe_parallel, layers=a.layers)
         except (OSError, ValueError) as e:
             raise UsageError(f"bench.step: --config {a.config!r}: {str(e).splitlines()[0] if str(e) else e}") from None
+        dcfg = _draft_config_or_usage(a)
     except UsageError as e:
         print(str(e), file=sys.stderr)
         return 2
@@ -504,8 +511,10 @@ def main(argv: list[str] | None = None) -> int:
                                            "allreduce_latency_us_bw_gbps": ALLREDUCE,
                                            "lds_bytes_per_clk": costmodel.LDS_BYTES_PER_CLK},
                            "steps": []}
+    if a.model != "target":
+        doc.update(model=a.model, draft_config=a.draft_config, draft_steps=a.draft_steps)
     plots = []
-    for fmt in a.fmts:
+    for fmt in (a.fmts if a.model != "draft" else []):
         mode = HostShadowMode()
         t0 = time.time()
         model = build_model(cfg, fmt, mode, a.tp, a.moe_parallel)
@@ -522,6 +531,10 @@ def main(argv: list[str] | None = None) -> int:
                 s.update(arch=arch, experts=fmt)
                 doc["steps"].append(s)
                 plots.append((f"{head} q_len {ql}", s))
+    if a.model != "target":
+        draft_rows(a, dcfg, doc, plots, log)
+    if a.model == "both":
+        spec_lines(a, doc)
     if a.plot:
         try:
             plot(plots, a.plot)
@@ -535,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        gpu = torch.cuda.is_available() and not a.no_measure
+        gpu = torch.cuda.is_available() and not a.no_measure and a.model != "draft"
     except Exception:  # noqa: BLE001
         gpu = False
     if gpu and (cfg.num_hidden_layers > 4 or a.tp > 1):
@@ -557,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"measured {fmt} q_len {ql}: {m}")
     if a.json:
         for s in doc["steps"]:
+            if a.model != "target":
+                s.setdefault("model", "target")
             s.pop("items", None)
         print(json.dumps(doc, indent=1, default=str, allow_nan=False) if _finite(doc) else
               json.dumps(_nan_to_none(doc), indent=1, default=str))
@@ -581,6 +596,196 @@ def _nan_to_none(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_nan_to_none(v) for v in x]
     return x
+
+
+
+# ---------------------------------------------------------------------------------------------
+# the EAGLE-3 draft step (--model draft|both) and the spec step (--model both)
+
+DRAFT_MODELS = ("target", "draft", "both")
+# Accept lengths users report for Kimi-K2.5 + its EAGLE-3 draft (REFERENCE section 8, chain k=3):
+# tokens committed per spec step, to turn the spec step into a time per token comparable with TPOT.
+ACCEPT_LENGTHS = {"MT-Bench": 2.69, "GSM8K": 3.20}
+ACCEPT_LENGTHS_K = 3   # the chain length those figures were measured at (other k: no per-token figure)
+# the draft is one decoder layer; the cost and summary code reads these two fields of a layout
+_DRAFT_LAYOUT = type("DraftLayout", (), {"first_k_dense_replace": 0, "num_hidden_layers": 1})()
+
+
+def load_draft_config(spec: str) -> Any:
+    """`spec`: 'kimi-k2.5-eagle3' (bench.meta_model.KIMI_K25_EAGLE3_CONFIG) or a draft config.json path;
+    raises ValueError (or OSError) when it is not a Llama-style or MLA EAGLE-3 draft config."""
+    from bench.meta_model import KIMI_K25_EAGLE3_CONFIG
+    from models.config import ConfigError, Eagle3Config, load_config, parse_config
+
+    try:
+        cfg = parse_config(KIMI_K25_EAGLE3_CONFIG) if spec in ("kimi-k2.5-eagle3", "kimi-eagle3") else load_config(spec)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    if not isinstance(cfg, Eagle3Config):
+        raise ValueError(f"{spec}: not an EAGLE-3 draft config")
+    if cfg.quantization is not None:
+        raise ValueError(f"{spec}: quantized drafts are not modelled (the released Kimi-K2.5 draft is bf16)")
+    return cfg
+
+
+def _add_draft_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="target", choices=DRAFT_MODELS,
+                   help="target (default): the target's steps; draft: the EAGLE-3 draft's step (TP1, bf16) at each "
+                        "--q-lens; both: both, and the spec step (verify + draft steps) per arch and format")
+    p.add_argument("--draft-config", default="kimi-k2.5-eagle3",
+                   help="the draft's config.json, or 'kimi-k2.5-eagle3' (default; lightseekorg/kimi-k2.5-eagle3, "
+                        "stated choices in bench/meta_model.py)")
+    p.add_argument("--draft-steps", type=int, default=3,
+                   help="k, draft tokens per spec step (default 3): verify at q_len k+1, k-1 draft steps at q_len 1, "
+                        "one draft extend at q_len k+1 (--model both)")
+
+
+def _check_draft_args(a: argparse.Namespace) -> None:
+    if not 1 <= a.draft_steps <= 15:
+        raise UsageError(f"bench.step: --draft-steps must be in 1..15, got {a.draft_steps}")
+    if a.model != "target" and a.tp != 1:
+        raise UsageError("bench.step: --tp: the draft runs replicated at TP1 on every rank; use --model target with --tp")
+    if a.model == "both":   # the spec step needs the draft's single-row step and the verify / extend width
+        a.qls = sorted(set(a.qls) | {1, a.draft_steps + 1})
+
+
+def _draft_config_or_usage(a: argparse.Namespace) -> Any:
+    if a.model == "target":
+        return None
+    try:
+        return load_draft_config(a.draft_config)
+    except (OSError, ValueError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(f"bench.step: --draft-config {a.draft_config!r}: {msg}") from None
+
+
+def record_draft_step(dcfg: Any, arch: str, batch: int, ctx: int, q_len: int, draft: Any = None,
+                      mode: HostShadowMode | None = None, hidden: str | None = None) -> StepRecord:
+    """Record one draft step (`bench.meta_model.run_draft_step`: carried state at q_len 1, the target's
+    aux rows above) as `record_step` records the target's."""
+    import kdsl as kd
+    from autotune.store import lookup_log
+    from bench.meta_model import build_draft, run_draft_step
+
+    mode = mode or HostShadowMode()
+    if draft is None:
+        draft = build_draft(dcfg)
+    mode.ops.clear()
+    mode.device_reads.clear()
+    mode.marks.clear()
+    mode.host_ops = 0
+    t0 = time.time()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with lookup_log() as log, kd.recording(arch) as rec:
+            run_draft_step(draft, mode, batch, ctx, q_len, hidden)
+    return StepRecord(q_len, list(rec.launches), list(log), mode, 1, time.time() - t0)
+
+
+def draft_step_problems(dcfg: Any, arch: str, q_lens: list[int], batch: int = 1, ctx: int = 8192
+                        ) -> list[tuple[Any, dict[str, Any], int]]:
+    """As `step_problems`, for the draft's steps at `q_lens` (for tune-model --model draft)."""
+    from autotune.problems import m_of, strip_m
+    from bench.meta_model import build_draft
+
+    out: dict[tuple, tuple[Any, dict[str, Any], int]] = {}
+    mode = HostShadowMode()
+    draft = build_draft(dcfg)
+    for ql in q_lens:
+        rec = record_draft_step(dcfg, arch, batch, ctx, ql, draft, mode)
+        looked = {e["kernel"] for e in rec.lookups}
+        for r in rec.launches:
+            if r.kernel.name not in looked:
+                continue
+            p = strip_m(r.kernel, r.dims)
+            key = (r.kernel.name, json.dumps(p, sort_keys=True))
+            m = m_of(r.kernel, r.dims) // max(1, batch)
+            prev = out.get(key)
+            out[key] = (r.kernel, p, min(m, prev[2]) if prev else m)
+    return [out[k] for k in sorted(out)]
+
+
+def draft_summary(dcfg: Any, arch: str, batch: int, ctx: int, q_len: int, gap: str, top: int, draft: Any,
+                  mode: HostShadowMode, workers: int | None = None, log: Any = None) -> dict[str, Any]:
+    """Record and cost one draft step; the summary `summarize` makes, launches counted as one layer."""
+    rec = record_draft_step(dcfg, arch, batch, ctx, q_len, draft, mode)
+    items = cost_step(rec, _DRAFT_LAYOUT, arch, ctx, gap, 1, 1, None, workers, log)
+    s = summarize(items, rec, _DRAFT_LAYOUT, 1, top)
+    s["launches_per_layer"] = {"draft": {"kdsl": s["kdsl_launches"], "torch": s["torch_launches"], "layers": 1}}
+    s.update(model="draft", hidden="carry" if q_len == 1 else "aux")
+    return s
+
+
+def draft_rows(a: argparse.Namespace, dcfg: Any, doc: dict[str, Any], plots: list, log: Any) -> None:
+    """The draft's step at each --q-lens value and arch: printed and appended to doc["steps"]."""
+    from bench.meta_model import build_draft
+
+    t0 = time.time()
+    draft = build_draft(dcfg)
+    log(f"built the draft ({dcfg.architecture}, hidden {dcfg.hidden_size}, {dcfg.num_attention_heads} heads, "
+        f"vocab {dcfg.draft_vocab_size}) on meta in {time.time() - t0:.1f}s")
+    mode = HostShadowMode()
+    for arch in a.archs:
+        for ql in a.qls:
+            s = draft_summary(dcfg, arch, a.batch, a.ctx, ql, a.gap, a.top, draft, mode, a.workers, log)
+            head = f"{arch} draft (EAGLE-3, TP1, bf16) batch {a.batch} ctx {a.ctx}"
+            if not a.json:
+                print_summary(s, head)
+            s.update(arch=arch, experts=None)
+            doc["steps"].append(s)
+            plots.append((f"{head} q_len {ql}", s))
+
+
+def spec_step(target_verify: dict[str, Any], draft_q1: dict[str, Any], draft_ext: dict[str, Any], k: int,
+              target_decode: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One chain spec step as models/spec.py runs it: the target's verify at q_len k+1, k-1 draft steps at
+    q_len 1 (the first of the k drafts comes from the previous step's extend) and the draft's extend over
+    the verified rows at q_len k+1; predicted and floor summed, and per committed token at the stated
+    accept lengths (a figure to compare with TPOT; the plain decode step's is its own time)."""
+    parts = [("target verify", target_verify, 1), ("draft", draft_q1, k - 1), ("draft extend", draft_ext, 1)]
+    pred = sum(s["predicted_us"] * n for _, s, n in parts)
+    floor = sum(s["floor_us"] * n for _, s, n in parts)
+    accept = ACCEPT_LENGTHS if k == ACCEPT_LENGTHS_K else {}
+    out = {"k": k, "predicted_us": pred, "floor_us": floor, "ratio": pred / floor if floor else math.inf,
+           "launches": sum(s["launches"] * n for _, s, n in parts),
+           "parts": [{"what": w, "q_len": s["q_len"], "count": n, "predicted_us": s["predicted_us"],
+                      "floor_us": s["floor_us"]} for w, s, n in parts],
+           "per_token_us": {f"{name} (accept {al})": pred / al for name, al in accept.items()},
+           "per_token_floor_us": {f"{name} (accept {al})": floor / al for name, al in accept.items()}}
+    if target_decode is not None:
+        out["plain_decode_us"] = target_decode["predicted_us"]
+        out["plain_decode_floor_us"] = target_decode["floor_us"]
+    return out
+
+
+def spec_lines(a: argparse.Namespace, doc: dict[str, Any]) -> None:
+    """The spec step per arch and expert format (--model both): doc["spec_steps"], printed."""
+    k = a.draft_steps
+    by = {(s.get("model", "target"), s["arch"], s.get("experts"), s["q_len"]): s for s in doc["steps"]}
+    for arch in a.archs:
+        d1, dk = by.get(("draft", arch, None, 1)), by.get(("draft", arch, None, k + 1))
+        for fmt in a.fmts:
+            tv, t1 = by.get(("target", arch, fmt, k + 1)), by.get(("target", arch, fmt, 1))
+            if tv is None or d1 is None or dk is None:
+                continue
+            sp = spec_step(tv, d1, dk, k, t1)
+            sp.update(arch=arch, experts=fmt, batch=a.batch, ctx=a.ctx)
+            doc.setdefault("spec_steps", []).append(sp)
+            if not a.json:
+                print_spec(sp)
+
+
+def print_spec(sp: dict[str, Any]) -> None:
+    print(f"\n== {sp['arch']} {sp['experts']} batch {sp['batch']} ctx {sp['ctx']}: spec step (chain, k={sp['k']}) ==")
+    print("  " + " + ".join(f"{p['count']} x {p['what']} q_len {p['q_len']} ({p['predicted_us'] / 1e3:.3f} ms)"
+                            for p in sp["parts"]))
+    print(f"spec step predicted {sp['predicted_us'] / 1e3:.3f} ms  floor {sp['floor_us'] / 1e3:.3f} ms  "
+          f"ratio {sp['ratio']:.2f}x  ({sp['launches']} launches)")
+    per = "; ".join(f"{n}: {v / 1e3:.3f} ms (floor {sp['per_token_floor_us'][n] / 1e3:.3f})"
+                    for n, v in sp["per_token_us"].items()) or f"no reported accept length at k={sp['k']}"
+    plain = (f"; plain decode {sp['plain_decode_us'] / 1e3:.3f} ms (floor {sp['plain_decode_floor_us'] / 1e3:.3f})"
+             if "plain_decode_us" in sp else "")
+    print(f"per token (compare with TPOT): {per}{plain}")
 
 
 if __name__ == "__main__":

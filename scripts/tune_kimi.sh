@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate the committed tuned configs for the Kimi-K2.5 + EAGLE-3 shapes (static mode: no GPU
-# needed). Usage: bash scripts/tune_kimi.sh [group ...]   groups: moe mla mha step tp mxfp4 (default: moe mla mha).
+# needed). Usage: bash scripts/tune_kimi.sh [group ...]   groups: moe mla mha step tp mxfp4 draft (default: moe mla mha).
 # "step" tunes every kernel the Kimi decode/verify step launches (autotune tune-model, both expert
 # formats, M buckets 1..128); STEP_FLAGS adds flags to it (e.g. "--skip-tuned --max-candidates 12").
 # "tp" tunes the per-GPU shapes of the deployments: TP8 on gfx942 (MI300X/MI325X), TP4 and TP8 on gfx950
@@ -56,6 +56,19 @@ tp() {  # every kdsl launch of the step at the deployed per-GPU shapes (STEP_FLA
           --moe-parallel "$mp" --in-place --quiet ${STEP_FLAGS:-}
       done
     done
+    if [ "$1" = gfx950 ]; then   # amd/Kimi-K2.5-MXFP4 on MI355X (W4A4 experts)
+      python -m autotune tune-model --config kimi-k2.5 --experts mxfp4 --arch gfx950 --tp "$2" --in-place --quiet \
+        ${STEP_FLAGS:-}
+    fi
+  done
+}
+draft() {  # every kdsl launch of the EAGLE-3 draft's step (TP1, replicated on every rank; bf16): q_len 1 draft
+  # steps and the q_len 4 extend after verify, M buckets 1..128 (autotune tune-model --model draft); problems the
+  # target's step launches too (lm_head, o_proj, rmsnorm) are left to "step". DRAFT_FLAGS adds flags to it
+  # (e.g. "--skip-tuned --max-candidates 12 --workers 1").
+  for arch in $ARCHS; do
+    python -m autotune tune-model --model draft --draft-config kimi-k2.5-eagle3 --arch "$arch" --in-place \
+      --quiet ${DRAFT_FLAGS:-}
   done
 }
 groups=("$@")

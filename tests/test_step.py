@@ -343,3 +343,102 @@ def test_tune_model_dry_run_lists_the_step_problems(capsys):
                  "moe_stage1_w4a8 E=384,K=7168,I=2048,TOPK=8", "rmsnorm D=7168", "gemm_bf16 N=163840,K=7168"):
         assert want in out
     assert "moe_align_blocks" not in out  # its op looks up no config: nothing would read a file
+
+
+# ---- the EAGLE-3 draft step (bench.step --model draft|both, tune-model --model draft)
+
+def test_draft_step_records_on_meta():
+    """The real Eagle3Draft.step on meta: the extend (q_len 4, aux rows: fc runs) and the single-row
+    step (carried state: no fc), at the Kimi-K2.5 draft's shapes, 0 device reads, every lookup tuned."""
+    from bench.meta_model import build_draft
+    from bench.step import load_draft_config, record_draft_step
+
+    dcfg = load_draft_config("kimi-k2.5-eagle3")
+    assert (dcfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim) == (7168, 64, 64, 128)
+    draft = build_draft(dcfg)
+    assert draft.embed.device.type == "meta" and draft.lm_head.dense.device.type == "meta"   # no weight memory
+    for ql, arch in ((4, "gfx942"), (1, "gfx950")):
+        rec = record_draft_step(dcfg, arch, 1, 8192, ql, draft)
+        names = [r.kernel.name for r in rec.launches]
+        gemms = [(r.dims["N"], r.dims["K"], r.dims["M"]) for r in rec.launches if r.kernel.name == "gemm_bf16"]
+        fc = [(7168, 3 * 7168, ql)] if ql > 1 else []
+        assert gemms == fc + [(8192, 14336, ql)] * 3 + [(7168, 8192, ql), (24576, 7168, ql), (7168, 12288, ql),
+                                                       (163840, 7168, ql)]
+        assert names.count("rope_neox") == 2 and names.count("mha_cache_append") == 1 and names.count("silu_mul") == 1
+        att = next(r for r in rec.launches if r.kernel.name == "mha_decode")
+        assert (att.dims["QL"], att.dims["HQ"], att.dims["KVH"], att.dims["D"], att.dims["PS"]) == (ql, 64, 64, 128, 64)
+        assert att.dims["MP"] >= 8192 // 64
+        assert rec.mode.device_reads == [] and len(rec.mode.ops) > 0
+        assert rec.lookups and all(e["hit"] for e in rec.lookups), [e for e in rec.lookups if not e["hit"]]
+
+
+def test_bench_step_both_has_the_spec_step(monkeypatch, capsys):
+    """--model both: target rows, draft rows and one spec-step line per arch and format (AOT reports
+    stubbed as in test_bench_step_json_and_plot)."""
+    import bench.step as st
+
+    fake = {"ok": True, "matrix_instructions": {"v_mfma_f32_16x16x16_bf16": 4}, "matrix_in_main_loop": 4,
+            "valu_instructions": 50, "valu_in_main_loop": 10, "num_warps": 4, "occupancy": 4, "spills": 0,
+            "lds_slot_bytes_in_main_loop": 64}
+    monkeypatch.setattr(st, "compile_reports",
+                        lambda launches, arch, workers=None, log=None: {st._report_key(r, arch): fake for r in launches})
+    argv = ["--model", "both", "--layers", "2", "--arch", "gfx942", "--experts", "w4a8", "--q-lens", "1", "--json",
+            "--no-measure"]
+    assert st.main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["model"] == "both" and doc["draft_steps"] == 3
+    rows = {(s["model"], s["q_len"]): s for s in doc["steps"]}
+    assert set(rows) == {("target", 1), ("target", 4), ("draft", 1), ("draft", 4)}   # q_len k+1 added for the spec step
+    d1, d4 = rows[("draft", 1)], rows[("draft", 4)]
+    assert d1["kdsl_launches"] == 17 and d4["kdsl_launches"] == 18 and d1["device_reads"] == 0
+    assert d1["launches_per_layer"]["draft"]["kdsl"] == 17 and d4["hidden"] == "aux"
+    (sp,) = doc["spec_steps"]
+    assert (sp["arch"], sp["experts"], sp["k"]) == ("gfx942", "w4a8", 3)
+    assert [(p["what"], p["q_len"], p["count"]) for p in sp["parts"]] == [
+        ("target verify", 4, 1), ("draft", 1, 2), ("draft extend", 4, 1)]
+    want = rows[("target", 4)]["predicted_us"] + 2 * d1["predicted_us"] + d4["predicted_us"]
+    assert sp["predicted_us"] == pytest.approx(want) and sp["predicted_us"] > sp["floor_us"] > 0
+    assert sp["plain_decode_us"] == rows[("target", 1)]["predicted_us"]
+    assert all(v == pytest.approx(sp["predicted_us"] / float(n.split("accept ")[1].rstrip(")")))
+               for n, v in sp["per_token_us"].items())
+
+
+def test_draft_flags_bad_input_is_one_line_exit_2(capsys, tmp_path):
+    from autotune.__main__ import main as autotune_main
+    from bench.meta_model import KIMI_K25_CONFIG
+    from bench.step import main
+
+    target_json = tmp_path / "target.json"
+    target_json.write_text(json.dumps(KIMI_K25_CONFIG))
+    for argv, needle in ((["--model", "drafts"], "--model"), (["--model", "both", "--draft-steps", "0"], "--draft-steps"),
+                         (["--model", "draft", "--draft-config", "/nope.json"], "--draft-config"),
+                         (["--model", "draft", "--draft-config", str(target_json)], "--draft-config"),
+                         (["--model", "draft", "--tp", "8"], "--tp")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("bench.step:") and needle in err, err
+    for argv, needle in ((["tune-model", "--arch", "gfx942", "--dry-run"], "--config"),
+                         (["tune-model", "--model", "draft", "--tp", "2", "--arch", "gfx942", "--dry-run"], "--tp"),
+                         (["tune-model", "--model", "draft", "--draft-config", "/nope.json", "--arch", "gfx942",
+                           "--dry-run"], "--draft-config")):
+        assert autotune_main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and needle in err, err
+
+
+def test_tune_model_draft_dry_run_lists_the_draft_problems(capsys, tmp_path):
+    """tune-model --model draft lists the draft's own problems and leaves the ones the target's step
+    launches too (lm_head, o_proj, rmsnorm) to --model target; a draft config.json path works too."""
+    from autotune.__main__ import main
+    from bench.meta_model import KIMI_K25_EAGLE3_CONFIG
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(KIMI_K25_EAGLE3_CONFIG))
+    assert main(["tune-model", "--model", "draft", "--draft-config", str(path), "--arch", "gfx942", "--dry-run",
+                 "--q-lens", "1"]) == 0
+    out = capsys.readouterr().out
+    for want in ("gemm_bf16 N=8192,K=14336", "gemm_bf16 N=24576,K=7168", "gemm_bf16 N=7168,K=12288",
+                 "mha_decode QL=1,HQ=64,KVH=64,D=128,PS=64", "rope_neox H=64,R=128", "silu_mul I=12288"):
+        assert f"  {want}\n" in out
+    for shared in ("gemm_bf16 N=163840,K=7168", "gemm_bf16 N=7168,K=8192", "rmsnorm D=7168"):
+        assert f"left to --model target: {shared}" in out
