@@ -20,6 +20,11 @@ from typing import Any, Callable
 
 Problem = dict[str, Any]
 
+# Config keys that do not change a kernel's numerics (only where and how fast it runs). Everything
+# else (tile sizes, K/KV step sizes, MFMA selection, reduction modes) can change the order of a
+# float reduction, so a batch-invariant launch takes it from one reference config.
+LAUNCH_ONLY_KEYS = frozenset({"num_warps", "num_stages", "waves_per_eu", "INT4_UNPACK"})
+
 
 @dataclass(frozen=True)
 class ProblemModel:
@@ -52,6 +57,9 @@ class ProblemModel:
     # traffic beyond the floor that the implementation adds (problem, m, launch dims) -> bytes, e.g.
     # MLA split partials written by the split kernel: charged in the predicted time, not the floor
     extra_bytes_fn: Callable[[Problem, int, Problem], float] | None = None
+    # the op's batch-invariant launches take every key but LAUNCH_ONLY_KEYS from the M=1 entry at any
+    # M (ops._common.invariant_config): the tuner then picks those keys once, jointly over the buckets
+    shared_numerics: bool = False
 
 
 # The context length sets the bytes and the split count of decode attention but is no part of the

@@ -20,7 +20,8 @@ from kdsl.targets import Target, get_target
 
 from . import costmodel
 from .buckets import ANY, bucket_for, bucket_m, bucket_order, parse_bucket
-from .problems import extra_bytes, full_dims, loop_iters, model_for, problem_key, required_dims, shared_bytes, strip_m
+from .problems import (LAUNCH_ONLY_KEYS, extra_bytes, full_dims, loop_iters, model_for, problem_key, required_dims,
+                       shared_bytes, strip_m)
 from .space import build
 from .store import SCHEMA_VERSION, file_path, helpers_hash, kernel_helpers, kernel_source_hash, load_file, save_file
 
@@ -57,6 +58,39 @@ def _sig_class(m: int) -> int:
 
 def _cfg_key(cfg: dict[str, Any]) -> tuple:
     return tuple(sorted(cfg.items()))
+
+
+def _numerics(cfg: dict[str, Any]) -> tuple:
+    """The part of a config that sets a float kernel's rounding (all but LAUNCH_ONLY_KEYS)."""
+    return tuple(sorted((k, v) for k, v in cfg.items() if k not in LAUNCH_ONLY_KEYS))
+
+
+def _shared_numerics(kernel: Any, target: Target, prob: dict[str, Any], buckets: list[Any],
+                     jobs: dict[tuple, tuple[dict, dict]], reports: dict[tuple, dict[str, Any]]) -> tuple | None:
+    """For a kernel whose batch-invariant launches take their numerics keys from the M=1 entry at
+    every M (ProblemModel.shared_numerics): the numerics tile, among every compiled candidate, with
+    the least summed slowdown over the buckets (each bucket's time with that tile and its best launch
+    keys, over the bucket's best time with any tile). Picking the M=1 bucket's favourite instead can
+    cost the verify rows twice their floor (a 1-row tile re-reads the weights per row)."""
+    best: dict[Any, float] = {}
+    per: dict[tuple, dict[Any, float]] = {}
+    for c, _ in jobs.values():
+        rep = reports.get((_cfg_key(c), REPORT_M))
+        if rep is None:
+            continue
+        nk = _numerics(c)
+        for b in buckets:
+            t = float(score(kernel, target, prob, bucket_m(b), c, rep)["predicted_us"])
+            if not math.isfinite(t):
+                continue
+            d = per.setdefault(nk, {})
+            d[b] = min(d.get(b, math.inf), t)
+            best[b] = min(best.get(b, math.inf), t)
+    total = {nk: sum(d[b] / best[b] for b in buckets) for nk, d in per.items() if all(b in d for b in buckets)}
+    if not total:
+        return None
+    first = buckets[0]
+    return min(total, key=lambda nk: (total[nk], per[nk][first], nk))
 
 
 def target_identity(target: Target, measured: bool) -> dict[str, Any]:
@@ -265,17 +299,22 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     else:
         ex.shutdown(wait=True)
 
+    shared = _shared_numerics(kernel, target, prob, buckets, jobs, reports) \
+        if pm.shared_numerics and mode == "static" else None
     entries = []
     for b in buckets:
         m = bucket_m(b)
+        if shared is not None:        # one numerics tile for every bucket, launch keys per bucket
+            pool = [c for c, _ in jobs.values() if _numerics(c) == shared]
         scored = []
         # its own candidates, plus those compiled for other buckets that lie in its space
-        pool = list(spaces[b].candidates)
-        seen = {_cfg_key(c) for c in pool}
-        for key, (c, _) in jobs.items():
-            if key[0] not in seen and spaces[b].admits(c):
-                pool.append(c)
-                seen.add(key[0])
+        if shared is None:
+            pool = list(spaces[b].candidates)
+            seen = {_cfg_key(c) for c in pool}
+            for key, (c, _) in jobs.items():
+                if key[0] not in seen and spaces[b].admits(c):
+                    pool.append(c)
+                    seen.add(key[0])
         for c in pool:
             rep = reports.get((_cfg_key(c), _sig_class(m)))
             if rep is None:
@@ -315,6 +354,7 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
             "elapsed_s": round(time.monotonic() - t0, 1),
             "cost_model": "autotune.costmodel v3" if mode == "static" else "measured (CUDA/HIP events)",
             "problem_key": problem_key(kernel, prob),
+            **({"shared_numerics": dict(shared)} if shared is not None else {}),
         },
     }
     sub = (target.name,) if target.cu_count == ref_cu else (target.name, f"cu{target.cu_count}")

@@ -13,14 +13,11 @@ from typing import Any, Iterable
 
 import torch
 
+from autotune.problems import LAUNCH_ONLY_KEYS  # keys a batch-invariant launch keeps from its own bucket
 from kdsl.targets import current_target
 
 _VALIDATE = False
 
-# Config keys that do not change a kernel's numerics (only where and how fast it runs). Everything
-# else (tile sizes, K/KV step sizes, MFMA selection, reduction modes) can change the order of a
-# float reduction, so batch-invariant mode takes it from one reference config.
-LAUNCH_ONLY_KEYS = frozenset({"num_warps", "num_stages", "waves_per_eu", "INT4_UNPACK"})
 
 
 # Kernels whose reductions are exact (int8 x int4/int8 products summed in an i32 accumulator, row

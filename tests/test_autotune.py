@@ -359,3 +359,29 @@ def test_costmodel_splitting_m_does_not_buy_weight_bandwidth():
     one = costmodel.predict(rep, t, 36, 28, 8e6, 1e7, "bf16", m_tiles=1, m_bytes_fraction=0.001)
     two = costmodel.predict(rep, t, 72, 28, 8e6, 2e7, "bf16", m_tiles=2, m_bytes_fraction=0.002)
     assert two["terms"]["memory_us"] == pytest.approx(one["terms"]["memory_us"], rel=0.01)
+
+
+def test_shared_numerics_picks_one_tile_for_every_bucket(monkeypatch):
+    """A kernel whose batch-invariant launches read their numerics keys from the M=1 entry gets one
+    numerics tile, the one with the least summed slowdown over the buckets (not the M=1 favourite),
+    and each bucket keeps its own launch-only keys."""
+    from autotune import search
+
+    small = {"BLOCK_M": 1, "BLOCK_K": 64}           # best at M=1, 4x slower at M=8 (re-reads per row)
+    wide = {"BLOCK_M": 16, "BLOCK_K": 64}           # 10% slower at M=1, flat after
+    times = {(1, 1): 10.0, (1, 8): 40.0, (16, 1): 11.0, (16, 8): 11.5}
+    cfgs = [{**small, "num_warps": 4}, {**wide, "num_warps": 4}, {**wide, "num_warps": 8}]
+
+    def fake_score(kernel, target, prob, m, c, rep):
+        t = times[(c["BLOCK_M"], m)] + (0.5 if c["num_warps"] == 8 and m == 1 else 0.0) \
+            - (0.5 if c["num_warps"] == 8 and m == 8 else 0.0)
+        return {"predicted_us": t}
+
+    monkeypatch.setattr(search, "score", fake_score)
+    jobs = {(search._cfg_key(c), search.REPORT_M): (c, {}) for c in cfgs}
+    reports = {k: {"ok": True} for k in jobs}
+    nk = search._shared_numerics(K, get_target("gfx942"), PROB, [1, 8], jobs, reports)
+    assert dict(nk) == wide                          # 10/10 + 40/11 loses to 11/10 + 11/11
+    times[(1, 8)] = 12.0                             # now the small tile costs little at M=8: it wins
+    assert dict(search._shared_numerics(K, get_target("gfx942"), PROB, [1, 8], jobs, reports)) == small
+    assert search._numerics({"BLOCK_M": 16, "num_warps": 8, "num_stages": 2}) == (("BLOCK_M", 16),)
