@@ -261,9 +261,11 @@ class _ListTarget:
     def __init__(self, m: Any):
         self.m = m
 
-    def step(self, cache: Any, tokens: torch.Tensor) -> Any:
+    def step(self, cache: Any, tokens: torch.Tensor, tree: Optional[tuple] = None) -> Any:
         rows = tokens.tolist()
-        out = self.m.forward(cache, [(b, r) for b, r in enumerate(rows)])
+        trees = None if tree is None else [(tree[0][b].tolist(), tree[1][b]) for b in range(len(rows))]
+        out = self.m.forward(cache, [(b, r) for b, r in enumerate(rows)], trees=trees) if trees else \
+            self.m.forward(cache, [(b, r) for b, r in enumerate(rows)])
 
         class Out:
             pass
@@ -277,9 +279,17 @@ class _ListDraft:
     def __init__(self, d: Any):
         self.d = d
 
-    def step(self, cache: Any, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, cache: Any, tokens: torch.Tensor, hidden: torch.Tensor, seqs: Any = None,
+             positions: Optional[torch.Tensor] = None, window: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = tokens.tolist()
-        res = self.d.forward(cache, [(b, r, hidden[b]) for b, r in enumerate(rows)])
+        views = None
+        if window is not None:            # the list API's view: every cached row before the window visible
+            lens = list(cache.table.lengths)
+            views = [(positions[b].tolist(), torch.cat([torch.ones(window.shape[1], lens[b] + len(r) - window.shape[2],
+                                                                   dtype=torch.bool), window[b].cpu()], 1))
+                     for b, r in enumerate(rows)]
+        res = self.d.forward(cache, [(b, r, hidden[b]) for b, r in enumerate(rows)], views)
         return torch.stack([lg.float() for lg, _ in res]), torch.stack([y for _, y in res])
 
 
@@ -287,11 +297,11 @@ class Engine:
     """Batched speculative decoding, chain or tree (mode "spec"), and plain decoding (mode "plain"),
     greedy or sampled.
 
-    Plain and chain decoding run on the models' device: tokens, lengths, acceptance and eos / length
-    checks are device tensors, each step reads back once (the committed tokens with their counts), and
-    the decode / draft / verify steps go through `graphs` (models.graphs.StepGraphs mode: "off",
-    "on" = CUDA graphs per padded batch bucket, "static" = the same buffers run eagerly, for CPU tests).
-    Tree drafting still walks its tree on the host (the list API of the models)."""
+    Plain, chain and tree decoding run on the models' device: tokens, lengths, draft trees (models.spec_tree),
+    acceptance and eos / length checks are device tensors, each step reads back once (the committed
+    tokens with their counts), and the decode / draft / verify steps go through `graphs`
+    (models.graphs.StepGraphs mode: "off", "on" = CUDA graphs per padded batch bucket and step shape,
+    "static" = the same buffers run eagerly, for CPU tests)."""
 
     def __init__(self, target: Any, draft: Any = None, page_size: int = 16, graphs: str = "off"):
         from models.graphs import MODES
@@ -318,29 +328,31 @@ class Engine:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         eos = frozenset() if eos_id is None else frozenset([eos_id] if isinstance(eos_id, int) else eos_id)
-        if mode == "spec" and params.topk > 1:
-            return self._generate_tree(prompts, max_new_tokens, params, eos, progress or (lambda n: None), seed)
         return self._generate_chain(prompts, max_new_tokens, mode, params, eos, progress or (lambda n: None), seed)
 
     # ------------------------------------------------------------------------------------------
-    # plain and chain: device-resident
+    # plain, chain and tree: device-resident
 
     def _generate_chain(self, prompts, max_new_tokens: int, mode: str, params: SpecParams, eos: frozenset,
                         tick: Callable[[int], None], seed: int) -> GenResult:
         from models.graphs import StepGraphs, bucket
+        from models.spec_tree import accept, draft_tree, move_rows, pick_tree
 
         spec = mode == "spec"
+        tree = spec and params.topk > 1
         tgt = self.target if hasattr(self.target, "step") else _ListTarget(self.target)
         drf = None if not spec else (self.draft if hasattr(self.draft, "step") else _ListDraft(self.draft))
         dev = torch.device(getattr(self.target, "device", "cpu"))
         k = params.steps if spec else 0
+        K, N = params.topk, params.num_draft_tokens
         T, P = params.temperature, params.top_p
         B = len(prompts)
         native = hasattr(self.target, "step") and (not spec or hasattr(self.draft, "step"))
         graphs_mode = self.graphs if native else "off"          # stubs (list API only) run eagerly, unpadded
         Bp = bucket(B) if graphs_mode != "off" else B
         prompts = [list(p) for p in prompts] + [[0]] * (Bp - B)          # padding rows: inactive from the start
-        cap = max(len(p) for p in prompts) + max_new_tokens + k + 2
+        ahead = max(k + 1, N, K * (k - 1)) if tree else k + 1      # speculative rows past the committed ones
+        cap = max(len(p) for p in prompts) + max_new_tokens + ahead + 1
         tc = self.target.new_cache(Bp, cap, self.page_size)
         tc.table.reserve_all(cap)
         dc = None
@@ -362,8 +374,18 @@ class Engine:
             o = tgt.step(tc, tokens)
             return o.logits, o.aux
 
+        def t_tree(tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor):
+            o = tgt.step(tc, tokens, tree=(depths, mask))
+            return o.logits, o.aux
+
         def d_step(tokens: torch.Tensor, hidden: torch.Tensor):
             return drf.step(dc, tokens, hidden)
+
+        def d_tree(tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, win: torch.Tensor):
+            return drf.step(dc, tokens, hidden, None, pos, win)
+
+        def tree_step(s: int, tokens, hidden, pos, win):
+            return runner(("draft-tree", Bp, K, s), d_tree, tokens, hidden, pos, win)
 
         # ---- prefill (ragged: the list API), then the draft over the prompt shifted by one
         t0 = time.perf_counter()
@@ -378,10 +400,11 @@ class Engine:
             gen[b].append(int(first[b]))
             tick(1)
             done[b] = int(first[b]) in eos or max_new_tokens <= 1
-        nxt = carry = None
+        nxt = carry = root_lg = None
         if spec:
             res = self.draft.forward(dc, [(b, prompts[b][1:] + [int(first[b])], out.aux[b]) for b in range(Bp)])
-            nxt = self.draft.to_target(torch.stack([lg[-1] for lg, _ in res]).to(dev).argmax(-1))
+            root_lg = torch.stack([lg[-1].float() for lg, _ in res]).to(dev)        # the draft after the root
+            nxt = self.draft.to_target(root_lg.argmax(-1))
             carry = torch.stack([y[-1] for _, y in res]).to(dev)
         m.prefill_s = time.perf_counter() - t0
 
@@ -403,25 +426,39 @@ class Engine:
                 a = torch.zeros(Bp, dtype=torch.long, device=dev)
                 tc.table.lens.copy_(torch.where(active, Lb + 1, Lb))
             else:
-                drafts, c = [nxt], carry
-                for _ in range(k - 1):
-                    lg, y = runner(("draft", Bp, 1), d_step, drafts[-1][:, None], c[:, None])
-                    drafts.append(self.draft.to_target(lg[:, 0].argmax(-1)))
-                    c = y[:, 0]
-                D = torch.stack(drafts, 1)
-                logits, aux = runner(("target", Bp, k + 1), t_step, torch.cat([root[:, None], D], 1))
-                u = _draw(gens, k + 1, dev) if T > 0 else None
-                a, toks = chain_accept(logits, D, T, P, u)
-                a, toks = _lockstep(self.target, a), _lockstep(self.target, toks)   # ranks follow rank 0
+                if tree:      # draft a tree, verify its best N - 1 nodes in one step, walk it
+                    dt = draft_tree(tree_step, root_lg, carry, Lb, K, k, self.draft.to_target)
+                    vt = pick_tree(dt, root, N, K, k)
+                    logits, aux = runner(("target-tree", Bp, vt.tokens.shape[1]), t_tree, vt.tokens, vt.depths,
+                                         vt.mask)
+                    u = _draw(gens, (k + 1) * (K + 1), dev).view(Bp, k + 1, K + 1) if T > 0 else None
+                    a, path, toks = accept(logits, vt, k, T, P, u)
+                    both = _lockstep(self.target, torch.cat([a[:, None], path, toks], 1))   # ranks follow rank 0
+                    a, path, toks = both[:, 0], both[:, 1:k + 1], both[:, k + 1:]
+                    move_rows(tc, Lb, path, torch.where(active, a, torch.zeros_like(a)))
+                    rows = torch.cat([torch.zeros_like(a)[:, None], path.clamp(min=0)], 1)   # root + accepted
+                    ext_aux = aux.gather(1, rows[:, :, None].expand(Bp, k + 1, aux.shape[-1]))
+                else:
+                    drafts, c = [nxt], carry
+                    for _ in range(k - 1):
+                        lg, y = runner(("draft", Bp, 1), d_step, drafts[-1][:, None], c[:, None])
+                        drafts.append(self.draft.to_target(lg[:, 0].argmax(-1)))
+                        c = y[:, 0]
+                    D = torch.stack(drafts, 1)
+                    logits, ext_aux = runner(("target", Bp, k + 1), t_step, torch.cat([root[:, None], D], 1))
+                    u = _draw(gens, k + 1, dev) if T > 0 else None
+                    a, toks = chain_accept(logits, D, T, P, u)
+                    a, toks = _lockstep(self.target, a), _lockstep(self.target, toks)   # ranks follow rank 0
                 a32 = a.to(Lb.dtype)
                 tc.table.lens.copy_(torch.where(active, Lb + a32 + 1, Lb))
                 dc.table.lens.copy_(Lb)                       # drop the speculative draft rows
-                lg, y = runner(("draft", Bp, k + 1), d_step, toks, aux)
+                lg, y = runner(("draft", Bp, k + 1), d_step, toks, ext_aux)
                 dc.table.lens.copy_(torch.where(active, Lb + a32 + 1, Lb))
-                sel = a[:, None]
-                nxt = torch.where(active, self.draft.to_target(lg.gather(1, sel[:, :, None].expand(-1, 1, lg.shape[-1]))
-                                                              [:, 0].argmax(-1)), nxt)
-                carry = torch.where(active[:, None], y.gather(1, sel[:, :, None].expand(-1, 1, y.shape[-1]))[:, 0], carry)
+                sel = a[:, None, None]
+                root_lg = torch.where(active[:, None], lg.gather(1, sel.expand(-1, 1, lg.shape[-1]))[:, 0].float(),
+                                      root_lg)
+                nxt = torch.where(active, self.draft.to_target(root_lg.argmax(-1)), nxt)
+                carry = torch.where(active[:, None], y.gather(1, sel.expand(-1, 1, y.shape[-1]))[:, 0], carry)
             root = torch.where(active, toks.gather(1, a[:, None])[:, 0], root)
             # eos and length checks on the device
             n = a + 1
@@ -457,201 +494,9 @@ class Engine:
         m.generated = sum(len(g) for g in gen)
         return GenResult(gen, m, tc, dc)
 
-    # ------------------------------------------------------------------------------------------
-    # tree drafting: host-driven walk over the list API
-
-    def _generate_tree(self, prompts, max_new_tokens: int, params: SpecParams, eos: frozenset,
-                       tick: Callable[[int], None], seed: int) -> GenResult:
-        T, P = params.temperature, params.top_p
-        B = len(prompts)
-        gens = request_generators(seed, B) if T > 0 else [None] * B      # host walk: CPU generators
-
-        def pick(b: int, row: torch.Tensor) -> int:
-            if T == 0:
-                return int(row.argmax())
-            return int(sample_rows(target_probs(row.cpu(), T, P), _draw([gens[b]], 1, torch.device("cpu"))[0, 0]))
-
-        k = params.steps
-        cap = max(len(p) for p in prompts) + max_new_tokens + k + 2
-        cap += params.num_draft_tokens + params.topk * params.topk * params.steps
-        tc = self.target.new_cache(B, cap, self.page_size)
-        dc = self.draft.new_cache(B, cap, self.page_size)
-        m = Metrics("spec", k=k, per_position=[0] * k, histogram=[0] * (k + 1), batch=B)
-        gen: list[list[int]] = [[] for _ in range(B)]
-        done = [False] * B
-
-        def commit(b: int, toks: list[int]) -> int:
-            n = 0
-            for t in toks:
-                gen[b].append(int(t))
-                n += 1
-                if int(t) in eos or len(gen[b]) >= max_new_tokens:
-                    done[b] = True
-                    break
-            tick(n)
-            return n
-
-        t0 = time.perf_counter()
-        out = self.target.forward(tc, [(b, list(p)) for b, p in enumerate(prompts)])
-        carry: dict[int, torch.Tensor] = {}
-        root_lg: dict[int, torch.Tensor] = {}
-        for b in range(B):
-            commit(b, [_lockstep_path(self.target, [], pick(b, out.logits[b][-1]), 0)[1]])
-        live = [b for b in range(B) if not done[b]]
-        if live:
-            res = self.draft.forward(dc, [(b, list(prompts[b][1:]) + [gen[b][-1]], out.aux[b]) for b in live])
-            for b, (lg, y) in zip(live, res):
-                carry[b] = y[-1:]
-                root_lg[b] = lg[-1]
-        m.prefill_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        while True:
-            live = [b for b in range(B) if not done[b]]
-            if not live:
-                break
-            lens = tc.table.lengths
-            L = {b: lens[b] for b in live}
-            ext = self._tree_round(live, L, gen, root_lg, carry, tc, dc, params, m, commit, done, gens)
-            if ext:
-                res = self.draft.forward(dc, ext)
-                for (b, _, _), (lg, y) in zip(ext, res):
-                    carry[b] = y[-1:]
-                    root_lg[b] = lg[-1]
-        m.decode_s = time.perf_counter() - t0
-        m.generated = sum(len(g) for g in gen)
-        return GenResult(gen, m, tc, dc)
-
-    def _tree_round(self, live, L, gen, root_lg, carry, tc, dc, params: SpecParams, m: Metrics, commit, done, gens):
-        """One tree draft + verify + acceptance walk (greedy, or sampled when temperature > 0) for every
-        live sequence; returns the draft extensions."""
-        K, steps, N = params.topk, params.steps, params.num_draft_tokens
-        # nodes[b]: dicts(tok, parent (-1 = root), depth, score, row (draft spec row index or None), carry_in)
-        nodes: dict[int, list[dict]] = {}
-        frontier: dict[int, list[int]] = {}
-        for b in live:
-            lp = torch.log_softmax(root_lg[b].float(), -1)
-            top = lp.topk(min(K, lp.numel()))
-            nodes[b] = [dict(tok=int(self.draft.to_target(i)), parent=-1, depth=1, score=float(v), row=None,
-                             hin=carry[b]) for v, i in zip(top.values, top.indices)]
-            frontier[b] = list(range(len(nodes[b])))
-        for _ in range(steps - 1):
-            batch, views = [], []
-            for b in live:
-                base = L[b]
-                cur = dc.table.lengths[b]
-                fr = frontier[b]
-                vis = torch.zeros(len(fr), cur + len(fr), dtype=torch.bool)
-                vis[:, :base] = True
-                for r, ni in enumerate(fr):
-                    vis[r, cur + r] = True
-                    p = nodes[b][ni]["parent"]
-                    while p >= 0:
-                        vis[r, nodes[b][p]["row"]] = True
-                        p = nodes[b][p]["parent"]
-                    nodes[b][ni]["row"] = cur + r
-                batch.append((b, [nodes[b][ni]["tok"] for ni in fr], torch.cat([nodes[b][ni]["hin"] for ni in fr], 0)))
-                views.append(([base + nodes[b][ni]["depth"] - 1 for ni in fr], vis))
-            res = self.draft.forward(dc, batch, views)
-            for b, (lg, y) in zip(live, res):
-                cands = []
-                lps = torch.log_softmax(lg.float(), -1)
-                for r, ni in enumerate(frontier[b]):
-                    top = lps[r].topk(min(K, lps.shape[-1]))
-                    for v, i in zip(top.values, top.indices):
-                        cands.append(dict(tok=int(self.draft.to_target(i)), parent=ni, depth=nodes[b][ni]["depth"] + 1,
-                                          score=nodes[b][ni]["score"] + float(v), row=None, hin=y[r:r + 1]))
-                first = len(nodes[b])
-                nodes[b].extend(cands)
-                order = sorted(range(first, len(nodes[b])), key=lambda j: -nodes[b][j]["score"])
-                frontier[b] = order[:K]
-        # pick the tree: best N-1 nodes by score, closed under ancestors, parents first
-        vbatch, trees, picked = [], [], {}
-        for b in live:
-            nd = nodes[b]
-            chosen: list[int] = []
-            for j in sorted(range(len(nd)), key=lambda j: (-nd[j]["score"], nd[j]["depth"])):
-                path = []
-                p = j
-                while p >= 0 and p not in chosen:
-                    path.append(p)
-                    p = nd[p]["parent"]
-                if len(chosen) + len(path) <= N - 1:
-                    chosen.extend(path)
-                if len(chosen) >= N - 1:
-                    break
-            chosen.sort(key=lambda j: (nd[j]["depth"], -nd[j]["score"]))
-            idx = {j: r + 1 for r, j in enumerate(chosen)}      # row 0 = root
-            n = len(chosen) + 1
-            mask = torch.zeros(n, n, dtype=torch.bool)
-            mask[:, 0] = True
-            depths = [0]
-            for j in chosen:
-                r = idx[j]
-                p = j
-                while p >= 0:
-                    mask[r, idx[p]] = True
-                    p = nd[p]["parent"]
-                depths.append(nd[j]["depth"])
-            picked[b] = (chosen, idx)
-            vbatch.append((b, [gen[b][-1]] + [nd[j]["tok"] for j in chosen]))
-            trees.append((depths, mask))
-        out = self.target.forward(tc, vbatch, trees=trees)
-        m.batched_forwards += 1
-        ext = []
-        moves = []
-        for i, b in enumerate(live):
-            nd = nodes[b]
-            chosen, idx = picked[b]
-            children: list[list[int]] = [[] for _ in range(len(chosen) + 1)]
-            for j in chosen:                                # parents-first, best score first among siblings
-                children[idx[nd[j]["parent"]] if nd[j]["parent"] >= 0 else 0].append(idx[j])
-            row_tok = [gen[b][-1]] + [nd[j]["tok"] for j in chosen]
-            if params.temperature == 0:
-                path, bonus = greedy_tree_accept(out.logits[i].argmax(-1).tolist(), children, row_tok)
-            else:
-                path, bonus = sample_tree_accept(out.logits[i].cpu(), children, row_tok, params.temperature,
-                                                 params.top_p, gens[b])
-            path, bonus = _lockstep_path(self.target, path, bonus, len(chosen) + 1)
-            rows = [0] + path
-            path_toks = [row_tok[r] for r in path]
-            a = len(path_toks)
-            for j in range(min(a, m.k)):
-                m.per_position[j] += 1
-            m.steps += 1
-            m.accepted += a
-            m.histogram[min(a, m.k)] += 1
-            m.committed += commit(b, path_toks + [bonus])
-            m.verify_tokens += a + 1
-            # move the accepted rows' KV to positions L+1..L+a, drop the rest
-            moves.append((tc.table.slots(b, L[b], len(chosen) + 1)[torch.tensor(rows, device=tc.table.device)],
-                          tc.table.slots(b, L[b], a + 1)))
-            tc.table.truncate(b, L[b] + a + 1)
-            dc.table.truncate(b, L[b])
-            if not done[b]:
-                ext.append((b, path_toks + [bonus], out.aux[i][torch.tensor(rows, device=out.aux[i].device)]))
-        if moves:                              # one gather + scatter per layer for the whole batch
-            ps = tc.table.page_size
-            src = torch.cat([mv[0] for mv in moves])
-            dst = torch.cat([mv[1] for mv in moves])
-            for kv in tc.kv:
-                kv[dst // ps, dst % ps] = kv[src // ps, src % ps].clone()
-        return ext
-
 
 def _lockstep(target: Any, t: torch.Tensor) -> torch.Tensor:
     """Rank 0's tokens / accept lengths on every tensor-parallel rank (models.parallel.Comm; the
     identity on one process): with sampling only rank 0's draw counts, so the ranks stay in lockstep."""
     comm = getattr(target, "comm", None)
     return t if comm is None or comm.world == 1 else comm.broadcast(t.clone())
-
-
-def _lockstep_path(target: Any, path: list[int], bonus: int, n: int) -> tuple[list[int], int]:
-    """The host walk's accepted rows and bonus token as rank 0 chose them (tree decoding)."""
-    comm = getattr(target, "comm", None)
-    if comm is None or comm.world == 1:
-        return path, bonus
-    buf = torch.full((n + 2,), -1, dtype=torch.long, device=getattr(target, "device", "cpu"))
-    buf[0], buf[1] = len(path), bonus
-    buf[2:2 + len(path)] = torch.tensor(path, dtype=torch.long)
-    h = comm.broadcast(buf).tolist()
-    return [int(x) for x in h[2:2 + h[0]]], int(h[1])

@@ -86,19 +86,23 @@ def test_triton_backend_model_reads_nothing(fx):
     assert {k.split(" @ ")[1].split(" in ")[-1] for k in seen["decode q1"]} <= {"check_paged_lengths", "append_latent"}
 
 
-@pytest.mark.parametrize("mode", ["plain", "spec"])
-def test_engine_reads_back_once_per_step(fx, mode):
+@pytest.mark.parametrize("mode,params", [("plain", SpecParams(steps=3)), ("spec", SpecParams(steps=3)),
+                                         ("spec", SpecParams(steps=3, topk=2, draft_tokens=6)),
+                                         ("spec", SpecParams(steps=2, topk=3, draft_tokens=6, temperature=0.7))],
+                         ids=["plain", "chain", "tree", "sampled-tree"])
+def test_engine_reads_back_once_per_step(fx, mode, params):
     """Decode loop of the engine: the forwards read nothing, and the engine itself reads back once
     per batched step, plus once after prefill (the first tokens) and once at the end (the metrics
-    counters, kept on the device); the ragged prefill wrapper is outside the count."""
+    counters, kept on the device); the ragged prefill wrapper is outside the count. Tree rounds
+    (drafting, tree pick, acceptance walk, KV moves in models/spec_tree.py) read nothing either."""
     _, _, m, d = fx
     with HostReadProbe() as p:
-        r = Engine(m, d).generate([[5, 6, 7], [9, 10, 11, 12, 13]], 7, mode, SpecParams(steps=3))
+        r = Engine(m, d).generate([[5, 6, 7], [9, 10, 11, 12, 13]], 7, mode, params)
     steps = r.metrics.batched_forwards
     assert steps >= 2
     in_step = [e for e in p.events if e.where.split(" in ")[-1] in ("step", "_attend", "_mha", "__call__", "make_ctx",
                                                                     "advance", "visibility", "paged_rows")]
     assert not in_step, summary(in_step)
-    reads = [e for e in p.events if "models/spec.py" in e.where and e.what in ("tolist", "item", "__bool__", "__int__",
+    reads = [e for e in p.events if "models/spec" in e.where and e.what in ("tolist", "item", "__bool__", "__int__",
                                                                                 "cpu", "nonzero", "unique")]
     assert len(reads) == steps + 2, summary(reads)
