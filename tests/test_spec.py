@@ -402,3 +402,15 @@ def test_static_graph_buffers_match_eager(pair, plain, mode, k):
     else:
         assert keys == {("draft", 4, 1), ("target", 4, k + 1), ("draft", 4, k + 1)}
     assert r.target_cache.table.batch == 4
+
+
+def test_static_graph_buffers_tree(pair, plain):
+    """Tree drafting through the graph protocol (StepGraphs 'static'): every draft step of the tree
+    (window width fixed per step), the tree verify and the extension run on static buffers per key;
+    tokens identical to plain decoding."""
+    _, _, m, d = pair
+    e = Engine(m, d, graphs="static")
+    r = e.generate(PROMPTS[:3], MAX_NEW, "spec", SpecParams(steps=3, topk=2, draft_tokens=6))
+    assert r.outputs == plain.outputs[:3]
+    assert set(e.last_graphs.entries) == {("draft-tree", 4, 2, 1), ("draft-tree", 4, 2, 2), ("target-tree", 4, 6),
+                                          ("draft", 4, 4)}
