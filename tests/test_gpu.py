@@ -230,16 +230,18 @@ def test_steps_make_no_sync(tiny, backend):
     m, d = tiny[backend]
     r = Engine(_SyncChecked(m), _SyncChecked(d)).generate(PROMPTS, 10, "spec", SpecParams(steps=3))
     p = Engine(_SyncChecked(m), d).generate(PROMPTS, 10, "plain")
-    assert r.outputs == p.outputs
+    t = Engine(_SyncChecked(m), _SyncChecked(d)).generate(PROMPTS, 10, "spec", SpecParams(steps=3, topk=2, draft_tokens=6))
+    assert r.outputs == p.outputs == t.outputs
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("mode", ["plain", "spec"])
+@pytest.mark.parametrize("mode", ["plain", "spec", "tree"])
 def test_graphs_on_equals_off(tiny, backend, mode):
     from models.spec import Engine, SpecParams
 
     m, d = tiny[backend]
-    params = SpecParams(steps=3)
+    params = SpecParams(steps=3, topk=2, draft_tokens=6) if mode == "tree" else SpecParams(steps=3)
+    mode = "spec" if mode == "tree" else mode
     off = Engine(m, d, graphs="off").generate(PROMPTS[:3], 12, mode, params)
     e = Engine(m, d, graphs="on")
     on = e.generate(PROMPTS[:3], 12, mode, params)
