@@ -6,19 +6,26 @@ Pipeline of `fused_moe` (backend="triton"):
    scores + e_score_correction_bias (group-limited when n_group > 1), combine weights = the
    *unbiased* scores of the chosen experts, / (sum + 1e-20) when norm_topk_prob, × routed_scaling_factor.
    Top-k is k rounds of argmax-and-mask over the whole (padded) expert tile; ties go to the lower id.
-2. Per-token int8 quantization (W4A8 only): `ops.quant.quant_per_token_int8` (absmax/127, RNE).
-3. Expert align (`moe_align`, kdsl: `moe_align_blocks` then `moe_align_scatter`, after a torch
-   sentinel fill): the (token, k) rows sorted by expert (stable) into BLOCK_M-padded blocks, a
-   block->expert map (-1 = unused block) and the sentinel row id T = M*top_k for padding.
-   `moe_align_blocks` (one program) counts rows per expert by comparison against all ids, takes the
-   exclusive prefix sum of the padded counts in chunks of 16 experts and writes the block map;
-   `moe_align_scatter` ranks each row among earlier rows of its expert. No atomics, deterministic,
-   and no host sync: the grid is the worst-case block count cdiv(T, BLOCK_M) + min(E, T) and the
-   stages exit early (kd.exit_if) on unused blocks; at M=1 that is 8 blocks, all used.
-   backend="torch" gives the same arrays with bincount/argsort.
+   The ids come out int32, the dtype the align kernels read (no conversion launch).
+2. Per-token int8 quantization (W4A8 only): `ops.quant.quant_per_token_int8` (absmax/127, RNE), or
+   none when the caller passes the rows pre-quantized (`fused_experts(..., xq=(x8, xs))`: the model's
+   post-attention `ops.norm.rms_norm_quant` emits them with the normed rows).
+3. Expert align (`moe_align`, kdsl: `moe_align_blocks` then `moe_align_scatter`, nothing else): the
+   (token, k) rows sorted by expert (stable) into BLOCK_M-padded blocks, a block->expert map (-1 =
+   unused block) and the sentinel row id T = M*top_k for padding. `moe_align_blocks` (one program)
+   counts rows per expert by comparison against all ids, takes the exclusive prefix sum of the
+   padded counts in chunks of 16 experts, writes the block map and fills every sorted slot with the
+   sentinel; `moe_align_scatter` ranks each row among earlier rows of its expert and writes it. An
+   id outside [0, E) is in no block. No atomics, deterministic, and no host sync: the grid is the
+   worst-case block count cdiv(T, BLOCK_M) + min(E, T) and the stages exit early (kd.exit_if) on
+   unused blocks; at M=1 that is 8 blocks, all used. backend="torch" gives the same arrays with
+   bincount/argsort.
 4. Stage 1 (`moe_stage1_{w4a8,w4a16,bf16}`): per block, gate and up GEMMs against the block's expert
    (int8 x int4 -> i32 MFMA for W4A8; int4 dequantized to bf16 with group-32 scales for W4A16),
-   per-token x per-channel scales, SiLU(gate)*up, stored as a **bf16 intermediate** [S, I].
+   per-token x per-channel scales, SiLU(gate)*up, stored as a **bf16 intermediate** [S, I]. The
+   intermediate is not zero-filled: only valid rows are written, and every stage 2 loads it with
+   mask = valid row and stores only valid rows, so a padding row's contents never reach an output
+   (tests/test_moe_combine.py runs the stages on a NaN-poisoned intermediate).
 5. Stage 2 (`moe_stage2_{w4a8,w4a16,bf16}`): per block, the down GEMM. For W4A8 the bf16
    intermediate is quantized to int8 per row (absmax/127, RNE): by default with
    `quant_per_token_int8` over the [S, I] intermediate and then `moe_stage2_w4a8_pq` (main loop =
@@ -28,13 +35,23 @@ Pipeline of `fused_moe` (backend="triton"):
    scale per (row, stage-1 BLOCK_N columns) (a row's I columns span several stage-1 programs, so a
    per-row scale cannot be formed there) and `moe_stage2_w4a8_gq` (BLOCK_K = that group) scales each
    K tile's i32 dot: one launch less and a pure int8 main loop, with finer-grained (different) numerics.
-   The routing weight is applied and the top-k rows are summed per token either by `kd.atomic_add` into an f32 [M, H] buffer (REDUCE="atomic") or by storing a
-   partial [T, H] buffer reduced by `moe_sum` (REDUCE="partial"); REDUCE is a tunable of stage 2.
+   The routing weight is applied and the top-k rows are summed per token either by `kd.atomic_add`
+   into an f32 [M, H] buffer (REDUCE="atomic") or by storing a partial [T, H] buffer (not zero-filled:
+   the row of an id outside [0, E) stays unwritten) reduced by `moe_sum_ids`, which reads the ids
+   and counts such a row as 0 (REDUCE="partial"); REDUCE is a tunable of stage 2.
    Batch-invariant mode (`invariant=True`, the default) always uses "partial" (a fixed summation
    order) and the M=1 tiles of every float-accumulating kernel (gate GEMM, bf16 / W4A16 stages;
    W4A8 stages are exact in i32 and keep their tuned tiles), so a token's output does not depend
    on the batch.
-6. Shared expert: plain torch (bf16 GEMMs, f32 SiLU) — noted; output = routed (f32) + shared, cast to bf16.
+6. Shared expert: plain torch in `fused_moe` (bf16 GEMMs, f32 SiLU); output = routed (f32) +
+   shared, cast to bf16.
+
+The model's decode step (`models.kimi._MoE.fused_block`) runs the same stages with
+`fused_experts(..., xq=..., partials=True)`, the shared expert as `ops.gemm.gemm_bf16_silu_mul` +
+`gemm_bf16`, and ends the layer with `combine_norm` (kernel `moe_combine_norm`): per token the top-k
+partial rows summed in k order (ids outside [0, E) count 0), + the shared expert (f32), rounded to
+bf16, added into the residual stream in place (bf16) and RMSNorm-ed with the next layer's input
+norm (or the final norm): the roundings of `moe_sum` + add + cast + `rmsnorm_add`, one launch.
 
 Weight formats (`MoEWeights.fmt`):
 - "w4a8":  w13 int32 [E, 2I, H/8] Quark reorder packing (gate rows then up rows), s13 f32 [E, 2I];
