@@ -284,7 +284,9 @@ def moe_align_blocks(ids: kd.In["T", kd.i32], pstart: kd.Out["E", kd.i32], block
 
     def count(experts):
         def body(t, n):
-            return n + kd.sum(kd.where((ids[t] == experts) & (t < T), 1, 0), axis=t)
+            # lanes past E (the expert tile is padded to a power of two) count nothing, so an id
+            # in [E, 2^k) is in no block, like every other id outside [0, E)
+            return n + kd.sum(kd.where((ids[t] == experts) & (t < T) & (experts < E), 1, 0), axis=t)
         c = kd.fold(t_tiles(), kd.zeros((experts,), kd.i32), body)
         return (c + (bm - 1)) // bm * bm
 
