@@ -230,3 +230,14 @@ def test_model_fused_moe_half_equals_unfused_chain(tmp_path_factory):
         assert torch.equal(a, b)
     # the last capture (id N = the final residual) is the returned hidden stream
     assert torch.equal(outs[0].hidden, outs[1].hidden)
+
+
+def test_align_ids_in_the_expert_tile_padding_are_in_no_block():
+    """E=384 walks a 512-wide expert tile: an id in [384, 512) must be in no block (as every id
+    outside [0, E)), its row never written, the block map equal to the torch backend's."""
+    E, T = 384, 8
+    ids = torch.tensor([[28, 75, -1, 94, 391, 19, 511, 76]], dtype=torch.int32)
+    sid, bexp = moe.moe_align(ids, E, 16, check=False)
+    tsid, tbexp = moe.moe_align(ids, E, 16, backend="torch", check=False)
+    assert torch.equal(sid, tsid) and torch.equal(bexp, tbexp)
+    assert not ((sid == 4) | (sid == 6)).any() and (bexp < E).all()
