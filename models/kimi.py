@@ -162,27 +162,72 @@ class _MoE:
         if trace is not None and trace.mode == "record":
             trace(ids)
 
+    def _routed_ids(self, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Triton routing (or replayed ids): int32 ids in this rank's local expert numbering and f32
+        weights. Expert parallel: an id of another rank's expert becomes -1, which the align kernels
+        and the top-k sums treat as a no-op (no block, a partial row never read); MXFP4 experts get a
+        clamped id with weight 0 instead."""
+        from ops.moe import route
+
+        c = self.moe_cfg
+        forced = self._replayed(xb)
+        if forced is None:
+            ids, w = route(xb, self.gate, self.bias, c.top_k, c.n_group, c.topk_group, c.norm_topk_prob,
+                           c.routed_scaling_factor, backend="triton", scoring_func=self.cfg.scoring_func)
+        else:
+            ids, w = self.route(xb, forced)
+        self._record(ids)
+        if len(self.local) != self.cfg.n_routed_experts:
+            from ops.moe import MoEWeights
+
+            loc = ids - self.local.start
+            mine = (loc >= 0) & (loc < len(self.local))
+            if isinstance(self.experts, MoEWeights):
+                ids = torch.where(mine, loc, torch.full_like(loc, -1))
+            else:                                     # MXFP4 sums every partial row: other ranks' experts weigh 0
+                w = w * mine
+                ids = loc.clamp(0, len(self.local) - 1)
+        if ids.dtype != torch.int32:                  # route gives int32 already; replayed ids do not
+            ids = ids.to(torch.int32)
+        if w.dtype != torch.float32:
+            w = w.float()
+        return ids.contiguous(), w.contiguous()
+
+    def fused_block(self, a: torch.Tensor, h: torch.Tensor, n2: RMSNorm, nxt: RMSNorm
+                    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The MoE half of a decoder layer on triton at world size 1, from the attention output `a`
+        and the residual stream `h` (updated IN PLACE) to (the next norm's output, h):
+        rmsnorm_add(_quant) -> gate GEMM, route -> align -> stage 1 -> stage 2 (partial rows) ->
+        shared expert (gate|up GEMM with SiLU*up, down) -> combine_norm (top-k sum in k order +
+        shared + residual add + the next RMSNorm). For W4A8 experts the post-attention norm emits
+        the per-token int8 activations stage 1 reads (no quant launch). None when this layer's
+        experts take another path (MXFP4)."""
+        from ops.moe import MoEWeights, combine_norm, fused_experts
+
+        if self.backend != "triton" or not isinstance(self.experts, MoEWeights) or h.dtype != torch.bfloat16 \
+                or not h.is_contiguous():
+            return None
+        if self.experts.fmt == "w4a8":
+            x8, xs, x, h = n2.add_norm_quant(a, h)
+            xq = (x8, xs)
+        else:
+            x, h = n2.add_norm(a, h, inplace=True)
+            xq = None
+        ids, w = self._routed_ids(x)
+        part = fused_experts(x, ids, w, self.experts, backend="triton", check_ids=False, xq=xq, partials=True)
+        s = self.shared(x) if self.shared is not None else None
+        y = combine_norm(part, ids, s, h, nxt.w, nxt.eps, len(self.local), backend="triton")
+        return y, h
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton":
-            from ops.moe import route
             from ops.mxfp4 import fused_experts_any as fused_experts
 
-            c = self.moe_cfg
             xb = x.to(torch.bfloat16).contiguous()
-            forced = self._replayed(xb)
-            if forced is None:
-                ids, w = route(xb, self.gate, self.bias, c.top_k, c.n_group, c.topk_group, c.norm_topk_prob,
-                               c.routed_scaling_factor, backend="triton", scoring_func=self.cfg.scoring_func)
-            else:
-                ids, w = self.route(xb, forced)
-            self._record(ids)
-            if len(self.local) != self.cfg.n_routed_experts:      # expert parallel: other ranks' experts weigh 0
-                loc = ids - self.local.start
-                w = w * ((loc >= 0) & (loc < len(self.local)))
-                ids = loc.clamp(0, len(self.local) - 1)
-            y = fused_experts(xb, ids.to(torch.int32), w.float(), self.experts, backend="triton", check_ids=False)
+            ids, w = self._routed_ids(xb)
+            y = fused_experts(xb, ids, w, self.experts, backend="triton", check_ids=False)
             if self.shared is not None:
-                y = y + self.shared(xb).float()        # shared expert: gemm_bf16 + silu_mul kernels
+                y = y + self.shared(xb).float()        # shared expert: gemm_bf16_silu_mul + gemm_bf16
             return y.to(torch.bfloat16)
         forced = self._replayed(x)
         ids, w = self.route(x, forced)
@@ -377,13 +422,19 @@ class KimiModel:
         N = self.cfg.num_hidden_layers
         caps: dict[int, torch.Tensor] = {}
         x = self.layers[0][0](h) if N else self.norm(h)
+        fuse = self.backend == "triton" and self.comm.world == 1
         for i, (n1, attn, n2, mlp) in enumerate(self.layers):
-            if i in self.capture_ids:
-                caps[i] = h                                   # the residual stream entering layer i
+            if i in self.capture_ids:                         # the residual stream entering layer i
+                caps[i] = h.clone() if fuse else h            # (the triton norms update h in place)
             a = self.comm.all_reduce(attn(x, cos, sin, cache, i, ctx))    # row-parallel o_proj: sum the ranks
-            x, h = n2.add_norm(a, h)                                      # residual add fused into the norm
             nxt = self.layers[i + 1][0] if i + 1 < N else self.norm
-            x, h = nxt.add_norm(self.comm.all_reduce(mlp(x)), h)          # aux captures see full sums
+            fused = getattr(mlp, "fused_block", None) if fuse else None   # the MoE layers (_MoE)
+            done = fused(a, h, n2, nxt) if fused is not None else None
+            if done is not None:                          # MoE half + next norm, residual in place
+                x, h = done
+                continue
+            x, h = n2.add_norm(a, h, inplace=fuse)                        # residual add fused into the norm
+            x, h = nxt.add_norm(self.comm.all_reduce(mlp(x)), h, inplace=fuse)   # aux captures see full sums
         if N in self.capture_ids:
             caps[N] = h
         advance(cache.table, ctx)

@@ -124,23 +124,40 @@ class RMSNorm:
             return xb
         return rms_norm(xb.contiguous(), self.w, self.eps, backend="triton")
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, inplace: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): the residual add fused into the norm on triton
         (ops.norm.rms_norm with `residual`, the rmsnorm_add kernel); the sum is rounded to the
-        residual's dtype either way."""
+        residual's dtype either way. `inplace` (triton, a contiguous bf16 residual): the sum is
+        written into `residual` itself (no copy launch); the caller must not need the old value."""
         if self.backend == "torch" or x.numel() == 0:
             r = residual + x.to(residual.dtype)
             return self(r), r
         from ops.norm import rms_norm
 
+        ip = inplace and residual.dtype == torch.bfloat16 and residual.is_contiguous()
         y, r = rms_norm(x.to(torch.bfloat16).contiguous(), self.w, self.eps,
-                        residual=residual.to(torch.bfloat16).contiguous(), backend="triton")
+                        residual=residual if ip else residual.to(torch.bfloat16).contiguous(), inplace=ip,
+                        backend="triton")
         return y, r
+
+    def add_norm_quant(self, x: torch.Tensor, residual: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Triton only: (int8 q, f32 scale, normed bf16, residual) of `add_norm(x, residual,
+        inplace=True)` in one launch (ops.norm.rms_norm_quant, the rmsnorm_add_quant kernel): the
+        per-token int8 activations a W4A8 consumer reads, bit-equal to quantizing the normed rows."""
+        from ops.norm import rms_norm_quant
+
+        q, s, y, r = rms_norm_quant(x.to(torch.bfloat16).contiguous(), self.w, self.eps, residual=residual,
+                                    inplace=True, backend="triton")
+        return q, s, y, r
 
 
 class MLP:
     """SwiGLU MLP: down(silu(gate(x)) * up(x)); gate and up run as one GEMM over their stacked
-    weights (gate rows then up rows, the layout silu_and_mul reads) when their formats match."""
+    weights (gate rows then up rows, the layout silu_and_mul reads) when their formats match; on
+    triton with dense bf16 weights that GEMM applies SiLU(gate)*up in its epilogue
+    (ops.gemm.gemm_bf16_silu_mul: gate and up rounded to bf16 first, as the two-launch path)."""
 
     def __init__(self, gate: Linear, up: Linear, down: Linear, backend: str = "torch"):
         self.gate, self.up, self.down, self.backend = gate, up, down, backend
@@ -152,6 +169,14 @@ class MLP:
                 lin.dense = lin.packed = lin.scale = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gu_w = self.gate_up.dense if self.gate_up is not None and self.backend == "triton" else None
+        if gu_w is not None and gu_w.dtype == torch.bfloat16 and x.shape[-1] == gu_w.shape[1]:
+            # dense bf16 gate|up: SiLU(gate)*up in the GEMM's epilogue, then down: two launches
+            from ops.gemm import gemm_bf16_silu_mul
+
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+            h = gemm_bf16_silu_mul(x2, gu_w, backend="triton")
+            return self.down(h.reshape(*x.shape[:-1], h.shape[-1]))
         if self.gate_up is not None:
             gu = self.gate_up(x)
         else:

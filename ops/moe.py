@@ -6,19 +6,26 @@ Pipeline of `fused_moe` (backend="triton"):
    scores + e_score_correction_bias (group-limited when n_group > 1), combine weights = the
    *unbiased* scores of the chosen experts, / (sum + 1e-20) when norm_topk_prob, × routed_scaling_factor.
    Top-k is k rounds of argmax-and-mask over the whole (padded) expert tile; ties go to the lower id.
-2. Per-token int8 quantization (W4A8 only): `ops.quant.quant_per_token_int8` (absmax/127, RNE).
-3. Expert align (`moe_align`, kdsl: `moe_align_blocks` then `moe_align_scatter`, after a torch
-   sentinel fill): the (token, k) rows sorted by expert (stable) into BLOCK_M-padded blocks, a
-   block->expert map (-1 = unused block) and the sentinel row id T = M*top_k for padding.
-   `moe_align_blocks` (one program) counts rows per expert by comparison against all ids, takes the
-   exclusive prefix sum of the padded counts in chunks of 16 experts and writes the block map;
-   `moe_align_scatter` ranks each row among earlier rows of its expert. No atomics, deterministic,
-   and no host sync: the grid is the worst-case block count cdiv(T, BLOCK_M) + min(E, T) and the
-   stages exit early (kd.exit_if) on unused blocks; at M=1 that is 8 blocks, all used.
-   backend="torch" gives the same arrays with bincount/argsort.
+   The ids come out int32, the dtype the align kernels read (no conversion launch).
+2. Per-token int8 quantization (W4A8 only): `ops.quant.quant_per_token_int8` (absmax/127, RNE), or
+   none when the caller passes the rows pre-quantized (`fused_experts(..., xq=(x8, xs))`: the model's
+   post-attention `ops.norm.rms_norm_quant` emits them with the normed rows).
+3. Expert align (`moe_align`, kdsl: `moe_align_blocks` then `moe_align_scatter`, nothing else): the
+   (token, k) rows sorted by expert (stable) into BLOCK_M-padded blocks, a block->expert map (-1 =
+   unused block) and the sentinel row id T = M*top_k for padding. `moe_align_blocks` (one program)
+   counts rows per expert by comparison against all ids, takes the exclusive prefix sum of the
+   padded counts in chunks of 16 experts, writes the block map and fills every sorted slot with the
+   sentinel; `moe_align_scatter` ranks each row among earlier rows of its expert and writes it. An
+   id outside [0, E) is in no block. No atomics, deterministic, and no host sync: the grid is the
+   worst-case block count cdiv(T, BLOCK_M) + min(E, T) and the stages exit early (kd.exit_if) on
+   unused blocks; at M=1 that is 8 blocks, all used. backend="torch" gives the same arrays with
+   bincount/argsort.
 4. Stage 1 (`moe_stage1_{w4a8,w4a16,bf16}`): per block, gate and up GEMMs against the block's expert
    (int8 x int4 -> i32 MFMA for W4A8; int4 dequantized to bf16 with group-32 scales for W4A16),
-   per-token x per-channel scales, SiLU(gate)*up, stored as a **bf16 intermediate** [S, I].
+   per-token x per-channel scales, SiLU(gate)*up, stored as a **bf16 intermediate** [S, I]. The
+   intermediate is not zero-filled: only valid rows are written, and every stage 2 loads it with
+   mask = valid row and stores only valid rows, so a padding row's contents never reach an output
+   (tests/test_moe_combine.py runs the stages on a NaN-poisoned intermediate).
 5. Stage 2 (`moe_stage2_{w4a8,w4a16,bf16}`): per block, the down GEMM. For W4A8 the bf16
    intermediate is quantized to int8 per row (absmax/127, RNE): by default with
    `quant_per_token_int8` over the [S, I] intermediate and then `moe_stage2_w4a8_pq` (main loop =
@@ -28,13 +35,23 @@ Pipeline of `fused_moe` (backend="triton"):
    scale per (row, stage-1 BLOCK_N columns) (a row's I columns span several stage-1 programs, so a
    per-row scale cannot be formed there) and `moe_stage2_w4a8_gq` (BLOCK_K = that group) scales each
    K tile's i32 dot: one launch less and a pure int8 main loop, with finer-grained (different) numerics.
-   The routing weight is applied and the top-k rows are summed per token either by `kd.atomic_add` into an f32 [M, H] buffer (REDUCE="atomic") or by storing a
-   partial [T, H] buffer reduced by `moe_sum` (REDUCE="partial"); REDUCE is a tunable of stage 2.
+   The routing weight is applied and the top-k rows are summed per token either by `kd.atomic_add`
+   into an f32 [M, H] buffer (REDUCE="atomic") or by storing a partial [T, H] buffer (not zero-filled:
+   the row of an id outside [0, E) stays unwritten) reduced by `moe_sum_ids`, which reads the ids
+   and counts such a row as 0 (REDUCE="partial"); REDUCE is a tunable of stage 2.
    Batch-invariant mode (`invariant=True`, the default) always uses "partial" (a fixed summation
    order) and the M=1 tiles of every float-accumulating kernel (gate GEMM, bf16 / W4A16 stages;
    W4A8 stages are exact in i32 and keep their tuned tiles), so a token's output does not depend
    on the batch.
-6. Shared expert: plain torch (bf16 GEMMs, f32 SiLU) — noted; output = routed (f32) + shared, cast to bf16.
+6. Shared expert: plain torch in `fused_moe` (bf16 GEMMs, f32 SiLU); output = routed (f32) +
+   shared, cast to bf16.
+
+The model's decode step (`models.kimi._MoE.fused_block`) runs the same stages with
+`fused_experts(..., xq=..., partials=True)`, the shared expert as `ops.gemm.gemm_bf16_silu_mul` +
+`gemm_bf16`, and ends the layer with `combine_norm` (kernel `moe_combine_norm`): per token the top-k
+partial rows summed in k order (ids outside [0, E) count 0), + the shared expert (f32), rounded to
+bf16, added into the residual stream in place (bf16) and RMSNorm-ed with the next layer's input
+norm (or the final norm): the roundings of `moe_sum` + add + cast + `rmsnorm_add`, one launch.
 
 Weight formats (`MoEWeights.fmt`):
 - "w4a8":  w13 int32 [E, 2I, H/8] Quark reorder packing (gate rows then up rows), s13 f32 [E, 2I];
@@ -253,11 +270,13 @@ def route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_g
 ALIGN_CHUNK = 16  # experts per step of the prefix sum in moe_align_blocks
 
 
-@kd.kernel(static=("E", "BM"), example={"T": 8, "E": 384, "NB": 9, "BM": 16})
+@kd.kernel(static=("E", "BM"), example={"T": 8, "E": 384, "NB": 9, "BM": 16, "S": 144})
 def moe_align_blocks(ids: kd.In["T", kd.i32], pstart: kd.Out["E", kd.i32], block_expert: kd.Out["NB", kd.i32],
-                     BM: kd.Dim):
+                     sorted_ids: kd.Out["S", kd.i32], BM: kd.Dim):
     """Expert align, part 1 (one program): per-expert row counts, BLOCK_M-padded start offsets
-    (exclusive prefix sum) and the block -> expert map (-1 past the used blocks)."""
+    (exclusive prefix sum), the block -> expert map (-1 past the used blocks) and every slot of
+    sorted_ids set to the padding sentinel T (moe_align_scatter then writes the real rows), so no
+    fill launch runs before it."""
     E, bm = kd.static("E"), kd.static("BM")
     (e,) = kd.grid(kd.tile("E", block=_p2(E)))
     T = kd.dim("T")
@@ -265,7 +284,9 @@ def moe_align_blocks(ids: kd.In["T", kd.i32], pstart: kd.Out["E", kd.i32], block
 
     def count(experts):
         def body(t, n):
-            return n + kd.sum(kd.where((ids[t] == experts) & (t < T), 1, 0), axis=t)
+            # lanes past E (the expert tile is padded to a power of two) count nothing, so an id
+            # in [E, 2^k) is in no block, like every other id outside [0, E)
+            return n + kd.sum(kd.where((ids[t] == experts) & (t < T) & (experts < E), 1, 0), axis=t)
         c = kd.fold(t_tiles(), kd.zeros((experts,), kd.i32), body)
         return (c + (bm - 1)) // bm * bm
 
@@ -286,6 +307,13 @@ def moe_align_blocks(ids: kd.In["T", kd.i32], pstart: kd.Out["E", kd.i32], block
 
     kd.fold(kd.tiles("NB", block="BLOCK_B", domain=(16, 32, 64), default=32), kd.zeros((e,), kd.i32), blocks)
 
+    def fill(r, dummy):
+        sorted_ids[r] = kd.zeros((r,), kd.i32) + T
+        return dummy
+
+    kd.fold(kd.tiles("S", block="BLOCK_S", domain=(64, 128, 256, 512), default=256, label="r"),
+            kd.zeros((e,), kd.i32), fill)
+
 
 @kd.kernel(example={"T": 8, "E": 384, "S": 144})
 def moe_align_scatter(ids: kd.In["T", kd.i32], pstart: kd.In["E", kd.i32], sorted_ids: kd.InOut["S", kd.i32]):
@@ -302,32 +330,39 @@ def moe_align_scatter(ids: kd.In["T", kd.i32], pstart: kd.In["E", kd.i32], sorte
     sorted_ids.store(pstart[et] + rank, value=t, mask=(et >= 0) & (et < kd.dim("E")))
 
 
-def moe_align(ids: torch.Tensor, n_experts: int, block_m: int, backend: str = "triton", check: bool = True
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align(ids: torch.Tensor, n_experts: int, block_m: int, backend: str = "triton", check: bool = True,
+              config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the (token, k) rows by expert into block_m-padded blocks.
 
     Returns sorted_ids int32 [NB*block_m] (row id t*top_k+k, or the sentinel T=M*top_k for padding)
     and block_expert int32 [NB] (-1 for blocks past the used ones), NB = cdiv(T, block_m) + min(E, T).
-    backend="triton": two kdsl kernels (moe_align_blocks, moe_align_scatter) after a sentinel fill;
+    backend="triton": two kdsl kernels, moe_align_blocks (counts, block map, sentinel fill) then
+    moe_align_scatter, nothing else launched for int32 ids; `config` may hold their configs under
+    "align_blocks" / "align_scatter" (else tuned, keyed by E (and BLOCK_M), M = T rows);
     "torch": the same result with torch ops (bincount, stable argsort)."""
     _check_backend(backend)
     check_tensor("moe_align", "ids", ids, None, (torch.int32, torch.int64))
-    flat = ids.reshape(-1).long()
-    T = flat.numel()
-    if check and T and (int(flat.min()) < 0 or int(flat.max()) >= n_experts):  # a host sync: skippable
-        raise ValueError(f"moe_align: expert ids must lie in [0, {n_experts}), got [{int(flat.min())}, {int(flat.max())}]")
+    T = ids.numel()
+    if check and T and (int(ids.min()) < 0 or int(ids.max()) >= n_experts):  # a host sync: skippable
+        raise ValueError(f"moe_align: expert ids must lie in [0, {n_experts}), got [{int(ids.min())}, {int(ids.max())}]")
     nb = -(-T // block_m) + min(n_experts, T)
     if T == 0:
         return (torch.empty(0, dtype=torch.int32, device=ids.device),
                 torch.empty(0, dtype=torch.int32, device=ids.device))
     if backend == "triton":
-        flat32 = ids.reshape(-1).to(torch.int32).contiguous()
+        # int32 ids (what `route` gives) are read in place: no conversion launch
+        flat32 = ids.reshape(-1) if ids.dtype == torch.int32 and ids.is_contiguous() else \
+            ids.reshape(-1).to(torch.int32).contiguous()
         pstart = torch.empty(n_experts, dtype=torch.int32, device=ids.device)
         bexp = torch.empty(nb, dtype=torch.int32, device=ids.device)
-        sorted_ids = torch.full((nb * block_m,), T, dtype=torch.int32, device=ids.device)
-        moe_align_blocks(flat32, pstart, bexp, block_m)
-        moe_align_scatter(flat32, pstart, sorted_ids)
+        sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)  # filled by moe_align_blocks
+        config = config or {}
+        cb = config_for(moe_align_blocks, {"E": n_experts, "BM": block_m}, T, config.get("align_blocks"))
+        cs = config_for(moe_align_scatter, {"E": n_experts}, T, config.get("align_scatter"))
+        moe_align_blocks(flat32, pstart, bexp, sorted_ids, block_m, config=cb)
+        moe_align_scatter(flat32, pstart, sorted_ids, config=cs)
         return sorted_ids, bexp
+    flat = ids.reshape(-1).long()
     ok = (flat >= 0) & (flat < n_experts)  # an id outside [0, E) is in no block (as in the kernels)
     key = torch.where(ok, flat, torch.full_like(flat, n_experts))
     counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts]
@@ -658,6 +693,100 @@ def moe_sum(partial: kd.In["P", "H", kd.f32], out: kd.Out["M", "H", kd.f32], TOP
     out[m, n] = acc
 
 
+def _topk_rows(partial, ids, m, n):
+    """sum_j partial[m*TOPK + j, n] in j order (a fixed order: batch invariant), a row whose expert
+    id is outside [0, E) counting as 0 and never read (its partial row was never written)."""
+    K = kd.static("TOPK")
+    acc = None
+    for j in range(K):
+        e = kd.zeros((n,), kd.i32) + ids[m * K + j]  # as a tile: the interpreter wants tile masks
+        v = partial.load(m * K + j, n, mask=(e >= 0) & (e < kd.static("E")))
+        acc = v if acc is None else acc + v
+    return acc
+
+
+@kd.kernel(static=("TOPK", "E"), example={"M": 1, "H": KIMI["H"], "TOPK": 8, "P": 8, "E": KIMI["E"]})
+def moe_sum_ids(partial: kd.In["P", "H", kd.f32], ids: kd.In["P", kd.i32], out: kd.Out["M", "H", kd.f32],
+                TOPK: kd.Dim, E: kd.Dim):
+    """`moe_sum` that reads the ids: the partial row of a (token, k) whose id is outside [0, E) is
+    in no aligned block, never written, and counts as 0 (so the partials need no zero fill)."""
+    (m, n) = kd.grid(kd.each("M"), kd.tile("H", "BLOCK_N", domain=(64, 128, 256, 512, 1024), default=256))
+    out[m, n] = _topk_rows(partial, ids, m, n)
+
+
+@kd.kernel(static=("D", "TOPK", "E", "SH"), example={"M": 1, "D": KIMI["H"], "TOPK": 8, "P": 8, "E": KIMI["E"], "SH": 1})
+def moe_combine_norm(partial: kd.In["P", "D", kd.f32], ids: kd.In["P", kd.i32], shared: kd.In["M", "D", kd.bf16],
+                     res: kd.InOut["M", "D", kd.bf16], w: kd.In["D", kd.bf16], out: kd.Out["M", "D", kd.bf16],
+                     TOPK: kd.Dim, E: kd.Dim, SH: kd.Dim, eps: kd.Scalar[kd.f32]):
+    """The end of a MoE layer and the next norm in one pass (one token row per program):
+    y = bf16(sum of the top-k partial rows in k order (ids outside [0, E) count 0) + shared (SH=1));
+    res <- bf16(y + res); out = rmsnorm(res) * w. The roundings of moe_sum, the f32 shared add,
+    the cast to bf16 and `rmsnorm_add`, so the unfused chain gives the same bits."""
+    (m,) = kd.grid(kd.each("M"))
+    d = kd.full_range("D")
+    acc = _topk_rows(partial, ids, m, d)
+    if kd.static("SH"):
+        acc = acc + shared[m, d].to(kd.f32)
+    r = (acc.to(kd.bf16).to(kd.f32) + res[m, d].to(kd.f32)).to(kd.bf16)
+    res[m, d] = r
+    rf = r.to(kd.f32)
+    ms = kd.sum(rf * rf, axis=d) / kd.static("D")
+    out[m, d] = rf * kd.rsqrt(ms + eps) * w[d].to(kd.f32)
+
+
+def moe_combine_norm_ref(partial: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None, res: torch.Tensor,
+                         w: torch.Tensor, eps: float, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of `moe_combine_norm`: (normed bf16 [M, D], new residual bf16 [M, D])."""
+    M, D = res.shape
+    K = ids.shape[-1] if ids.dim() == 2 else ids.numel() // max(M, 1)
+    flat = ids.reshape(M, K)
+    ok = (flat >= 0) & (flat < n_experts)
+    p = partial.reshape(M, K, D)
+    acc = torch.where(ok[:, 0, None], p[:, 0], torch.zeros_like(p[:, 0]))
+    for j in range(1, K):
+        acc = acc + torch.where(ok[:, j, None], p[:, j], torch.zeros_like(p[:, j]))
+    if shared is not None:
+        acc = acc + shared.float()
+    r = (acc.to(torch.bfloat16).float() + res.float()).to(torch.bfloat16)
+    rf = r.float()
+    y = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(torch.bfloat16)
+    return y, r
+
+
+def combine_norm(partial: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None, res: torch.Tensor,
+                 weight: torch.Tensor, eps: float, n_experts: int, backend: str = "triton",
+                 config: dict | None = None) -> torch.Tensor:
+    """Finish a MoE layer in one launch: routed partials [M*top_k, H] f32 (from
+    `fused_experts(..., partials=True)`) summed in k order, + shared [M, H] bf16 (or None), added
+    into `res` [M, H] bf16 IN PLACE (the residual stream), returns rmsnorm(res) * weight bf16 (the
+    next layer's normed input). Ids outside [0, n_experts) add nothing. No device read."""
+    check_backend("combine_norm", backend)
+    check_tensor("combine_norm", "residual", res, 2, (torch.bfloat16,), contiguous=True)
+    M, H = res.shape
+    dev = res.device
+    check_tensor("combine_norm", "partial", partial, 2, (torch.float32,), dev, contiguous=True)
+    check_tensor("combine_norm", "ids", ids, 2, (torch.int32,), dev, contiguous=True)
+    check_tensor("combine_norm", "weight", weight, 1, (torch.bfloat16,), dev, contiguous=True)
+    if ids.shape[0] != M or tuple(partial.shape) != (ids.numel(), H) or weight.shape[0] != H:
+        raise ValueError(f"combine_norm: needs ids [M={M}, top_k], partial [M*top_k, {H}] and weight [{H}], got "
+                         f"{tuple(ids.shape)}, {tuple(partial.shape)} and {tuple(weight.shape)}")
+    if shared is not None:
+        check_tensor("combine_norm", "shared", shared, 2, (torch.bfloat16,), dev, contiguous=True)
+        if shared.shape != res.shape:
+            raise ValueError(f"combine_norm: shared must be [{M}, {H}], got {tuple(shared.shape)}")
+    if backend == "torch":
+        y, r = moe_combine_norm_ref(partial, ids, shared, res, weight, eps, n_experts)
+        res.copy_(r)
+        return y
+    out = torch.empty_like(res)
+    K = ids.shape[1]
+    cfg = config_for(moe_combine_norm, {"D": H, "TOPK": K}, M, config)
+    if M:
+        moe_combine_norm(partial, ids.reshape(-1), res if shared is None else shared, res, weight, out, K, n_experts,
+                         int(shared is not None), float(eps), config=cfg)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # 6. the layer op
 
@@ -814,6 +943,18 @@ def shared_expert_ref(x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor,
     return (h @ d.t()).float()
 
 
+STAGE2_QUANT = ("separate", "fused", "stage1")
+
+
+def stage2_quant_mode(config: dict | None, E: int, H: int, I: int, top_k: int, M: int) -> str:
+    """How W4A8 stage 2 gets its int8 A operand: `config["stage2_quant"]` when given, else
+    "separate" (quant_per_token_int8 + moe_stage2_w4a8_pq; see the module docstring)."""
+    mode = (config or {}).get("stage2_quant") or "separate"
+    if mode not in STAGE2_QUANT:
+        raise ValueError(f"fused_experts: config stage2_quant must be one of {STAGE2_QUANT}, got {mode!r}")
+    return mode
+
+
 def _stage_configs(config: dict | None, fmt: str, E: int, H: int, I: int, top_k: int, M: int,
                    invariant: bool = False) -> tuple[dict, dict]:
     """Stage configs: explicit ones from `config`, else tuned. `invariant`: the top-k sum as
@@ -845,15 +986,21 @@ def _stage_configs(config: dict | None, fmt: str, E: int, H: int, I: int, top_k:
 
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEWeights,
                   backend: str = "triton", config: dict | None = None, check_ids: bool = True,
-                  invariant: bool = True) -> torch.Tensor:
+                  invariant: bool = True, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  partials: bool = False) -> torch.Tensor:
     """Routed-expert output f32 [M, H] = sum_k wts[m,k] * expert_{ids[m,k]}(x[m]).
 
     check_ids (default on) refuses ids outside [0, E) by reading them (a device sync, so not
     inside graph capture); pass False only for ids from `route`, which guarantees them. Unchecked,
     an id outside [0, E) is a defined no-op on both backends: that (token, k) adds nothing.
     `invariant` (default): a token's result does not depend on the batch (top-k summed in fixed
-    order by `moe_sum`, never by float atomics; M=1 tiles at every M for the float-accumulating
-    formats). M=0 gives [0, H]."""
+    order by `moe_sum_ids`, never by float atomics; M=1 tiles at every M for the float-accumulating
+    formats). M=0 gives [0, H].
+    `xq` (W4A8): x already quantized per token, (int8 [M, H], f32 scale [M]) as
+    `ops.norm.rms_norm_quant` emits it with the normed rows: no quant launch here.
+    `partials`: return the [M*top_k, H] f32 rows before the top-k sum (always REDUCE="partial")
+    for `combine_norm`; the row of a (token, k) with an id outside [0, E) is not written (torch
+    backend: 0) and must be read through the ids, as `combine_norm` does."""
     _check_backend(backend)
     E, H, I = w.dims()
     check_tensor("fused_experts", "hidden", x, 2, (torch.bfloat16, torch.float16, torch.float32))
@@ -871,30 +1018,50 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEW
     top_k = ids.shape[1]
     if not 1 <= top_k <= E:
         raise ValueError(f"fused_experts: top_k={top_k} must be in [1, number of experts {E}]")
+    if xq is not None:
+        if w.fmt != "w4a8":
+            raise ValueError(f"fused_experts: xq (pre-quantized int8 activations) is for W4A8 experts, got {w.fmt}")
+        check_tensor("fused_experts", "xq int8", xq[0], 2, (torch.int8,), dev, contiguous=True)
+        check_tensor("fused_experts", "xq scale", xq[1], 1, (torch.float32,), dev, contiguous=True)
+        if tuple(xq[0].shape) != (M, H) or tuple(xq[1].shape) != (M,):
+            raise ValueError(f"fused_experts: xq must be (int8 [M={M}, H={H}], f32 [M={M}]), got "
+                             f"{tuple(xq[0].shape)} and {tuple(xq[1].shape)}")
     if check_ids and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
         raise ValueError(f"fused_experts: expert ids out of range [0, {E}): got [{int(ids.min())}, {int(ids.max())}]")
     if w.fmt != "bf16" and H % PACK:
         raise ValueError(f"fused_experts: hidden size {H} must be a multiple of the int4 pack factor {PACK}")
     if backend == "torch":
+        if partials:
+            q = w.fmt == "w4a8" and stage2_quant_mode(config, E, H, I, top_k, M) == "stage1"
+            return (experts_ref_gq(x, ids, wts, w, _gq_group(config, E, H, I, top_k, M), partial=True) if q
+                    else experts_ref_rows(x, ids, wts, w))
         return experts_ref(x, ids, wts, w)
     if M == 0:
         return torch.zeros(0, H, dtype=torch.float32, device=dev)
-    c1, c2 = _stage_configs(config, w.fmt, E, H, I, top_k, M, invariant)
+    sq = stage2_quant_mode(config, E, H, I, top_k, M) if w.fmt == "w4a8" else None
+    cfg = dict(config or {})
+    if sq is not None:
+        cfg["stage2_quant"] = sq
+    c1, c2 = _stage_configs(cfg, w.fmt, E, H, I, top_k, M, invariant)
+    if partials:
+        c2["REDUCE"] = "partial"
     bm = c1["BLOCK_M"]
-    sorted_ids, bexp = moe_align(ids, E, bm, check=False)  # the kdsl align kernels
+    sorted_ids, bexp = moe_align(ids, E, bm, check=False, config=config)  # the kdsl align kernels
     S = sorted_ids.numel()
     T = M * top_k
-    gq = w.fmt == "w4a8" and (config or {}).get("stage2_quant") == "stage1"
-    if not gq:
-        inter = torch.zeros(S, I, dtype=torch.bfloat16, device=x.device)  # padding rows stay finite
-    xb = x.to(torch.bfloat16).contiguous()
+    gq = sq == "stage1"
+    # The intermediate is never zero-filled: stage 1 writes only the valid rows of used blocks, and
+    # every stage-2 kernel loads it (and its per-row or per-group scales, whose products only reach
+    # padding rows of the accumulator) with mask = valid row, stores only valid rows: a padding
+    # row's contents (and the quant of it, for "separate") never reach an output.
+    inter = torch.empty(S, I, dtype=torch.int8 if gq else torch.bfloat16, device=x.device)
+    xb = x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
+    if w.fmt == "w4a8":
+        x8, xs = xq if xq is not None else quantize_int8(xb)
     if gq:  # stage 1 writes the int8 intermediate and its group scales: no quant launch between
-        inter = torch.empty(S, I, dtype=torch.int8, device=x.device)  # padding rows are never read
         inter_s = torch.empty(S, I // c1["BLOCK_N"], dtype=torch.float32, device=x.device)
-        x8, xs = quantize_int8(xb)
         moe_stage1_w4a8_q(x8, xs, w.w13, w.s13, sorted_ids, bexp, inter, inter_s, top_k, config=c1)
     elif w.fmt == "w4a8":
-        x8, xs = quantize_int8(xb)
         moe_stage1_w4a8(x8, xs, w.w13, w.s13, sorted_ids, bexp, inter, top_k, config=c1)
     elif w.fmt == "w4a16":
         moe_stage1_w4a16(xb, w.w13, w.s13, sorted_ids, bexp, inter, top_k, config=c1)
@@ -902,12 +1069,13 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEW
         moe_stage1_bf16(xb, w.w13, sorted_ids, bexp, inter, top_k, config=c1)
     atomic = c2.get("REDUCE", "atomic") == "atomic"
     out = torch.zeros(M if atomic else 0, H, dtype=torch.float32, device=x.device)
-    # unchecked ids: a row of an invalid id is in no block, so its partial row must read 0
-    part = (torch.empty if check_ids else torch.zeros)(0 if atomic else T, H, dtype=torch.float32, device=x.device)
-    tw = wts.reshape(-1).float().contiguous()
+    # the partial row of an id outside [0, E) is in no block and stays unwritten: its readers
+    # (moe_sum_ids, combine_norm) read the ids and skip it
+    part = torch.empty(0 if atomic else T, H, dtype=torch.float32, device=x.device)
+    tw = wts.reshape(-1) if wts.dtype == torch.float32 and wts.is_contiguous() else wts.reshape(-1).float().contiguous()
     if gq:
         moe_stage2_w4a8_gq(inter, inter_s, w.w2, w.s2, sorted_ids, bexp, tw, out, part, top_k, config=c2)
-    elif w.fmt == "w4a8" and (config or {}).get("stage2_quant", "separate") == "separate":
+    elif sq == "separate":
         from ops.quant import quant_per_token_int8
 
         i8 = torch.empty(S, I, dtype=torch.int8, device=x.device)
@@ -920,9 +1088,32 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEW
         STAGE2[w.fmt](inter, w.w2, *scales, sorted_ids, bexp, tw, out, part, top_k, config=c2)
     if atomic:
         return out
+    if partials:
+        return part
     res = torch.empty(M, H, dtype=torch.float32, device=x.device)
-    moe_sum(part, res, top_k)
+    ids32 = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32).contiguous()
+    cs = config_for(moe_sum_ids, {"H": H, "TOPK": top_k}, M, (config or {}).get("sum"))
+    moe_sum_ids(part, ids32.reshape(-1), res, top_k, E, config=cs)
     return res
+
+
+def experts_ref_rows(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+    """`experts_ref` per (token, k) row before the top-k sum: f32 [M*top_k, H], 0 for ids outside [0, E)."""
+    E, H, I = w.dims()
+    M, K = ids.shape
+    part = torch.zeros(M * K, H, dtype=torch.float32, device=x.device)
+    for j in range(K):
+        one = torch.full_like(ids[:, :1], -1).repeat(1, K)
+        one[:, j] = ids[:, j]
+        part.view(M, K, H)[:, j] = experts_ref(x, one, wts, w)
+    return part
+
+
+def _gq_group(config: dict | None, E: int, H: int, I: int, top_k: int, M: int) -> int:
+    """Stage 1's BLOCK_N (the scale group of stage2_quant 'stage1') that fused_experts launches with."""
+    cfg = dict(config or {})
+    cfg["stage2_quant"] = "stage1"
+    return _stage_configs(cfg, "w4a8", E, H, I, top_k, M, True)[0]["BLOCK_N"]
 
 
 STAGE1 = {"w4a8": moe_stage1_w4a8, "w4a16": moe_stage1_w4a16, "bf16": moe_stage1_bf16}

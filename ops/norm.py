@@ -76,9 +76,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None,
-             backend: str = "triton", config: dict[str, Any] | None = None):
+             backend: str = "triton", config: dict[str, Any] | None = None, inplace: bool = False):
     """RMSNorm over the last dim. With `residual`: returns (rmsnorm(x + residual), x + residual), the
-    sum rounded to x.dtype; `residual` is not modified (a new tensor holds the sum)."""
+    sum rounded to x.dtype; `residual` is not modified (a new tensor holds the sum) unless
+    `inplace=True` (a contiguous residual): then the sum is written into it and it is returned
+    (no copy launch: what a decode step wants for its residual stream)."""
     check_backend("rms_norm", backend)
     check_tensor("rms_norm", "x", x, None, (torch.bfloat16,))
     check_tensor("rms_norm", "weight", weight, 1, (torch.bfloat16,), x.device, contiguous=True)
@@ -92,8 +94,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
         raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"rms_norm: eps must be a finite number >= 0, got {eps!r}")
+    if inplace and (residual is None or not residual.is_contiguous()):
+        raise ValueError("rms_norm: inplace=True needs a contiguous residual")
     if backend == "torch":
-        return rmsnorm_ref(x, weight, eps) if residual is None else rmsnorm_add_ref(x, residual, weight, eps)
+        if residual is None:
+            return rmsnorm_ref(x, weight, eps)
+        y, r = rmsnorm_add_ref(x, residual, weight, eps)
+        if inplace:
+            residual.copy_(r)
+            r = residual
+        return y, r
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     x2 = _rows(x)
@@ -104,11 +114,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
         if M:
             rmsnorm(x2, weight, out, float(eps), config=cfg)
         return out.view(x.shape)
-    r2 = residual.reshape(-1, D).clone()
+    r2 = residual.view(-1, D) if inplace else residual.reshape(-1, D).clone()
     cfg = config_for(rmsnorm_add, {"M": M, "D": D}, M, config)
     if M:
         rmsnorm_add(x2, r2, weight, out, float(eps), config=cfg)
-    return out.view(x.shape), r2.view(x.shape)
+    return out.view(x.shape), (residual if inplace else r2.view(x.shape))
 
 
 def silu_and_mul(x: torch.Tensor, backend: str = "triton", config: dict[str, Any] | None = None) -> torch.Tensor:

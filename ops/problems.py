@@ -68,6 +68,38 @@ def _moe_stage2_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
     return {**d, "MO": m, "P": d["T"], "IG": p["I"] // 32}
 
 
+def _moe_stage2_m(d: Problem) -> int:
+    """Tokens of a stage-2 launch: MO (the atomic output's rows), or with REDUCE="partial" (MO = 0)
+    the partial rows P over TOPK."""
+    mo = int(d.get("MO", 0))
+    return mo if mo > 0 else int(d.get("P", 0)) // max(1, int(d.get("TOPK", 1)))
+
+
+def _moe_stage1q_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    """moe_stage1_w4a8_q: the stage-1 dims and NT = I / BLOCK_N scale groups per row."""
+    return {**_moe_stage1_derived(p, m, c), "NT": p["I"] // int(c.get("BLOCK_N", 64))}
+
+
+def _moe_stage2gq_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    """moe_stage2_w4a8_gq: the stage-2 dims and NT = I / BLOCK_K (its K tile is the scale group)."""
+    return {**_moe_stage2_derived(p, m, c), "NT": p["I"] // int(c.get("BLOCK_K", 64))}
+
+
+def _moe_q(stage: int) -> tuple[Callable, Callable]:
+    """(bytes, flops) of the W4A8 stages with the int8 intermediate of stage2_quant 'stage1': the
+    [T, I] int8 rows plus one f32 scale per 64 columns replace the bf16 intermediate."""
+    nbytes0, flops = _moe(stage, 0.5, 1, False)
+
+    def nbytes(p: Problem, m: int) -> float:
+        t = m * p["TOPK"]
+        inter = t * p["I"] * (1 + 4 / 64)
+        if stage == 1:
+            return nbytes0(p, m) - t * p["I"] * 2 + inter
+        return nbytes0(p, m) - t * p["I"] * 1 - 4 * t + inter
+
+    return nbytes, flops
+
+
 def _moe(stage: int, wbytes: float, abytes: float, group_scales: bool) -> tuple[Callable, Callable]:
     """(bytes, flops) of one MoE stage: touched experts' weights and scales, activations in, the
     bf16 intermediate (stage 1) or the f32 [M, H] output (stage 2)."""
@@ -95,7 +127,15 @@ def _moe_gate_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
     return {"SPLIT": split, "HS": -(-p["H"] // split)}  # HS: hidden elements per split (its loop)
 
 
+def _silu_gemm_bytes(p: Problem, m: int) -> float:
+    """gate|up weights [N2, K] bf16, x [M, K] bf16 in, the bf16 [M, N2/2] product out."""
+    return p["N2"] * p["K"] * 2 + m * p["K"] * 2 + m * (p["N2"] // 2) * 2
+
+
 MODELS: list[ProblemModel] = [
+    ProblemModel("gemm_bf16_silu_mul", ("N2", "K"), peak_dtype="bf16", bytes_fn=_silu_gemm_bytes,
+                 flops_fn=lambda p, m: 2.0 * m * p["N2"] * p["K"], derived=lambda p, m, c: {"I": p["N2"] // 2},
+                 shared_numerics=True),
     ProblemModel("gemm_bf16*", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],
                  flops_fn=_gemm(2, 2, "bf16")[1], shared_numerics=True),
     ProblemModel("gemm_fp8*", ("N", "K"), peak_dtype="fp8", bytes_fn=_gemm(1, 1, "fp8")[0],
@@ -108,18 +148,24 @@ MODELS: list[ProblemModel] = [
                  flops_fn=_gemm(0.5, 2, "bf16", 32)[1], derived=lambda p, m, c: {"G": p["K"] // 32}),
     ProblemModel("moe_stage1_w4a8", ("E", "K", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe(1, 0.5, 1, False)[0],
                  flops_fn=_moe(1, 0.5, 1, False)[1], derived=_moe_stage1_derived),
+    ProblemModel("moe_stage1_w4a8_q", ("E", "K", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe_q(1)[0],
+                 flops_fn=_moe_q(1)[1], derived=_moe_stage1q_derived),
+    ProblemModel("moe_stage2_w4a8_gq", ("E", "H", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe_q(2)[0],
+                 flops_fn=_moe_q(2)[1], derived=_moe_stage2gq_derived, m_of=_moe_stage2_m, loop_dim="I"),
     ProblemModel("moe_stage1_w4a16", ("E", "K", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(1, 0.5, 2, True)[0],
                  flops_fn=_moe(1, 0.5, 2, True)[1], derived=_moe_stage1_derived, shared_numerics=True),
     ProblemModel("moe_stage1_bf16", ("E", "K", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(1, 2, 2, False)[0],
                  flops_fn=_moe(1, 2, 2, False)[1], derived=_moe_stage1_derived, shared_numerics=True),
     ProblemModel("moe_stage2_w4a8_pq", ("E", "H", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe(2, 0.5, 1, False)[0],
-                 flops_fn=_moe(2, 0.5, 1, False)[1], derived=_moe_stage2_derived, m_of=lambda d: int(d["MO"]), loop_dim="I"),
+                 flops_fn=_moe(2, 0.5, 1, False)[1], derived=_moe_stage2_derived, m_of=_moe_stage2_m, loop_dim="I"),
     ProblemModel("moe_stage2_w4a8", ("E", "H", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe(2, 0.5, 2, False)[0],
-                 flops_fn=_moe(2, 0.5, 2, False)[1], derived=_moe_stage2_derived, m_of=lambda d: int(d["MO"]), loop_dim="I", loops=2),
+                 flops_fn=_moe(2, 0.5, 2, False)[1], derived=_moe_stage2_derived, m_of=_moe_stage2_m, loop_dim="I", loops=2),
     ProblemModel("moe_stage2_w4a16", ("E", "H", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(2, 0.5, 2, True)[0],
-                 flops_fn=_moe(2, 0.5, 2, True)[1], derived=_moe_stage2_derived, m_of=lambda d: int(d["MO"]), loop_dim="I", shared_numerics=True),
+                 flops_fn=_moe(2, 0.5, 2, True)[1], derived=_moe_stage2_derived, m_of=_moe_stage2_m, loop_dim="I",
+                 shared_numerics=True),
     ProblemModel("moe_stage2_bf16", ("E", "H", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(2, 2, 2, False)[0],
-                 flops_fn=_moe(2, 2, 2, False)[1], derived=_moe_stage2_derived, m_of=lambda d: int(d["MO"]), loop_dim="I", shared_numerics=True),
+                 flops_fn=_moe(2, 2, 2, False)[1], derived=_moe_stage2_derived, m_of=_moe_stage2_m, loop_dim="I",
+                 shared_numerics=True),
     ProblemModel("moe_gate_gemm", ("E", "H"), peak_dtype="bf16", derived=_moe_gate_derived,
                  bytes_fn=lambda p, m: (p["E"] * p["H"] + m * p["H"]) * 2 + _moe_gate_derived(p, m, {})["SPLIT"] * m * p["E"] * 4,
                  flops_fn=lambda p, m: 2.0 * m * p["E"] * p["H"], loop_dim="HS", loop_block="BLOCK_H",
@@ -255,6 +301,16 @@ MODELS += [
 
 # ---- small kernels of the decode step: the op's lookup key, M, and the bytes they move
 
+def _align_nb(p: Problem, t: int) -> int:
+    """Aligned blocks of T = t rows (ops.moe.moe_align): cdiv(T, BM) + min(E, T)."""
+    return -(-t // p["BM"]) + min(p["E"], t)
+
+
+def _topk_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    """Partial rows P = M x TOPK; E (the id bound) and SH (shared expert added) are compile-time
+    values of the kernel but no part of its cost or key: Kimi's 384 experts and a shared expert."""
+    return {"P": m * p["TOPK"], "E": p.get("E", 384), "SH": p.get("SH", 1)}
+
 def _rows(k: str, per_row: Callable[[Problem], float], fixed: Callable[[Problem], float] = lambda p: 0.0
           ) -> Callable[[Problem, int], float]:
     def nbytes(p: Problem, m: int) -> float:
@@ -290,8 +346,9 @@ MODELS += [
                  bytes_fn=_rows("E", lambda p: p.get("SPLIT", 1) * p["E"] * 4 + p["TOPK"] * 8, lambda p: p["E"] * 4),
                  flops_fn=lambda p, m: 4.0 * m * p["E"]),
     ProblemModel("moe_align_blocks", ("E", "BM"), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None,
-                 loop_block=None, bytes_fn=lambda p, m: m * 4 + p["E"] * 4 + (-(-m // p["BM"]) + min(p["E"], m)) * 4,
-                 flops_fn=lambda p, m: 0.0),
+                 loop_block=None, bytes_fn=lambda p, m: m * 4 + p["E"] * 4 + _align_nb(p, m) * (1 + p["BM"]) * 4,
+                 flops_fn=lambda p, m: 0.0,
+                 derived=lambda p, m, c: {"NB": _align_nb(p, m), "S": _align_nb(p, m) * p["BM"]}),
     ProblemModel("moe_align_scatter", ("E",), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None,
                  loop_block=None, bytes_fn=lambda p, m: m * 8 + p["E"] * 4, flops_fn=lambda p, m: 0.0),
     # KV appends: each new token's row read and written once (the cache size is not traffic: the key
@@ -302,6 +359,17 @@ MODELS += [
     ProblemModel("mha_cache_append", ("KVH", "D"), m_dim="NT", m_block=None, peak_dtype="f32", loop_dim=None,
                  loop_block=None, bytes_fn=lambda p, m: m * (p["KVH"] * p["D"] * 2 * 2 * 2 + 8),
                  flops_fn=lambda p, m: 0.0, derived=lambda p, m, c: {"NP": 4096, "PS": 64}),
+    ProblemModel("moe_sum_ids", ("H", "TOPK"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
+                 bytes_fn=_rows("H", lambda p: p["H"] * 4 * (p["TOPK"] + 1) + p["TOPK"] * 4),
+                 flops_fn=lambda p, m: m * p["H"] * p["TOPK"], derived=_topk_derived),
+    # top-k partial rows (f32) + shared (bf16) + residual read and written + normed row out, per token
+    ProblemModel("moe_combine_norm", ("D", "TOPK"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
+                 bytes_fn=_rows("D", lambda p: p["D"] * (4 * p["TOPK"] + 2 + 4 + 2) + p["TOPK"] * 4,
+                                lambda p: p["D"] * 2),
+                 flops_fn=lambda p, m: (p["TOPK"] + 6.0) * m * p["D"], derived=_topk_derived),
+    ProblemModel("rmsnorm_add_quant", ("D",), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
+                 bytes_fn=_rows("D", lambda p: p["D"] * (2 + 4 + 2 + 1) + 4, lambda p: p["D"] * 2),
+                 flops_fn=lambda p, m: 9.0 * m * p["D"]),
     ProblemModel("moe_sum", ("H", "TOPK"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
                  bytes_fn=_rows("H", lambda p: p["H"] * 4 * (p["TOPK"] + 1)), flops_fn=lambda p, m: m * p["H"] * p["TOPK"]),
     ProblemModel("mla_decode_combine", ("QL", "H", "DL"), m_block=None, peak_dtype="f32", loop_dim=None,

@@ -1,0 +1,243 @@
+"""The end of a MoE layer in one launch (ops.moe.moe_combine_norm / combine_norm), the id-reading
+top-k sum (moe_sum_ids), the align kernels' own sentinel fill, fused_experts' partial rows and
+pre-quantized input, and the unfilled intermediate (padding rows never reach an output).
+
+Tolerances: the top-k sum, the shared add and the residual are bit-exact against the torch reference
+(the same f32 adds in the same k order, the same bf16 roundings); the normed row is within one bf16
+ulp of the reference (rtol 2^-7: the f32 sum of squares may be reduced in another order) and
+bit-equal to the unfused kernel chain moe_sum_ids -> f32 shared add -> bf16 -> rmsnorm_add, which
+reduces the same way. Routed-expert partial rows: 1e-2 x max|ref| abs (as tests/test_moe.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ops import moe, norm
+from tests.conftest import poisoned
+from tests.test_moe import FAST, make_weights
+
+BF16_TOL = dict(atol=1e-2, rtol=2 ** -7)
+GUARD = 3
+
+
+def _case(M: int, D: int, K: int, E: int, seed: int, bad: tuple[int, ...] = ()):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(torch.int32)
+    for n, b in enumerate(bad):                    # bad ids spread over the tokens
+        ids[n % M, (n * 3 + 1) % K] = b
+    part = torch.randn(M * K, D, generator=g) * 2
+    okf = ((ids >= 0) & (ids < E)).reshape(-1)
+    part[~okf] = float("nan")                       # rows of bad ids were never written: must not be read
+    shared = torch.randn(M, D, generator=g).bfloat16()
+    res = (torch.randn(M, D, generator=g) * 4).bfloat16()
+    w = (torch.rand(D, generator=g) + 0.5).bfloat16()
+    return ids, part, shared, res, w
+
+
+@pytest.mark.parametrize("M,D,K,E,shared,bad", [
+    (1, 7168, 8, 384, True, ()), (3, 130, 4, 16, True, (-1,)), (5, 96, 3, 8, False, (8, -2**31)),
+    (2, 48, 1, 4, True, (10**6,)), (7, 200, 8, 64, True, (-1, 64, 10**6))])
+def test_combine_norm_kernel_matches_reference(M, D, K, E, shared, bad):
+    ids, part, sh, res, w = _case(M, D, K, E, seed=M * 100 + D, bad=bad)
+    y_ref, r_ref = moe.moe_combine_norm_ref(part, ids, sh if shared else None, res, w, 1e-6, E)
+    r = res.clone()
+    out = poisoned((M, D), torch.bfloat16)
+    moe.moe_combine_norm(part, ids.reshape(-1), sh if shared else r, r, w, out, K, E, int(shared), 1e-6)
+    assert torch.equal(r, r_ref)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), y_ref.float(), **BF16_TOL)
+    assert (out == y_ref).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("M,D,K,E", [(1, 7168, 8, 384), (4, 160, 4, 16), (3, 64, 2, 6)])
+def test_combine_norm_equals_unfused_chain(M, D, K, E):
+    """One launch gives the bits of moe_sum_ids -> + shared (f32) -> bf16 -> rmsnorm_add."""
+    ids, part, sh, res, w = _case(M, D, K, E, seed=7 + M, bad=(-1,) if M > 1 else ())
+    r1 = res.clone()
+    y1 = moe.combine_norm(part, ids, sh, r1, w, 1e-6, E)
+    s = poisoned((M, D), torch.float32)
+    moe.moe_sum_ids(part, ids.reshape(-1), s, K, E, config={"BLOCK_N": 64})
+    y2, r2 = norm.rms_norm((s + sh.float()).bfloat16(), w, 1e-6, residual=res.clone())
+    assert torch.equal(r1, r2) and torch.equal(y1, y2)
+
+
+def test_combine_norm_bad_ids_stay_inside_guards():
+    """Views into bigger buffers with poisoned guard rows: ids outside [0, E) (and the NaN rows
+    they name) touch nothing; only the token rows are written."""
+    M, D, K, E = 3, 64, 4, 8
+    ids, part, sh, res, w = _case(M, D, K, E, seed=11, bad=(-1, E, 10**6, -2**31))
+
+    def guarded(t, fill):
+        buf = torch.full((t.shape[0] + 2 * GUARD, *t.shape[1:]), fill, dtype=t.dtype)
+        buf[GUARD:GUARD + t.shape[0]] = t
+        return buf[GUARD:GUARD + t.shape[0]], buf
+
+    nan = float("nan")
+    pv, pbuf = guarded(part, nan)
+    iv, ibuf = guarded(ids.reshape(-1), -123)
+    sv, sbuf = guarded(sh, nan)
+    rv, rbuf = guarded(res, nan)
+    ov, obuf = guarded(torch.full((M, D), nan, dtype=torch.bfloat16), nan)
+    y_ref, r_ref = moe.moe_combine_norm_ref(part, ids, sh, res, w, 1e-6, E)
+    moe.moe_combine_norm(pv, iv, sv, rv, w, ov, K, E, 1, 1e-6)
+    for buf, n in ((pbuf, M * K), (sbuf, M), (rbuf, M), (obuf, M)):
+        assert torch.cat([buf[:GUARD], buf[GUARD + n:]]).float().isnan().all()
+    assert (torch.cat([ibuf[:GUARD], ibuf[GUARD + M * K:]]) == -123).all()
+    assert torch.equal(rv, r_ref) and not ov.isnan().any()
+    torch.testing.assert_close(ov.float(), y_ref.float(), **BF16_TOL)
+
+
+def test_combine_norm_wrapper_checks_and_torch_backend():
+    ids, part, sh, res, w = _case(2, 32, 2, 4, seed=3)
+    r_t = res.clone()
+    y_t = moe.combine_norm(part, ids, sh, r_t, w, 1e-6, 4, backend="torch")
+    r_k = res.clone()
+    y_k = moe.combine_norm(part, ids, sh, r_k, w, 1e-6, 4)
+    assert torch.equal(r_t, r_k)
+    torch.testing.assert_close(y_k.float(), y_t.float(), **BF16_TOL)
+    with pytest.raises(ValueError, match="partial"):
+        moe.combine_norm(part[:3], ids, sh, res.clone(), w, 1e-6, 4)
+    with pytest.raises(TypeError, match="ids"):
+        moe.combine_norm(part, ids.long(), sh, res.clone(), w, 1e-6, 4)
+    with pytest.raises(ValueError, match="shared"):
+        moe.combine_norm(part, ids, sh[:1], res.clone(), w, 1e-6, 4)
+
+
+@pytest.mark.parametrize("M,H,K,E", [(1, 7168, 8, 384), (5, 96, 3, 8)])
+def test_moe_sum_ids_skips_bad_ids(M, H, K, E):
+    ids, part, _, _, _ = _case(M, H, K, E, seed=5, bad=(-1, E) if M > 1 else ())
+    out = poisoned((M, H), torch.float32)
+    moe.moe_sum_ids(part, ids.reshape(-1), out, K, E, config={"BLOCK_N": 64})
+    ok = ((ids >= 0) & (ids < E)).reshape(M, K, 1)
+    p = part.view(M, K, H)
+    want = torch.where(ok[:, 0], p[:, 0], 0.0)
+    for j in range(1, K):
+        want = want + torch.where(ok[:, j], p[:, j], 0.0)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("T,E,bm", [(8, 384, 16), (13, 8, 16), (40, 16, 32), (3, 64, 64)])
+def test_align_blocks_fills_the_sentinel(T, E, bm):
+    """moe_align_blocks writes T into every slot of a poisoned sorted_ids (no fill launch needed);
+    after moe_align_scatter the result equals the torch backend's."""
+    g = torch.Generator().manual_seed(T + E)
+    ids = torch.randint(0, E, (T,), generator=g, dtype=torch.int32)
+    nb = -(-T // bm) + min(E, T)
+    pstart = poisoned((E,), torch.int32)
+    bexp = poisoned((nb,), torch.int32)
+    sid = poisoned((nb * bm,), torch.int32)
+    moe.moe_align_blocks(ids, pstart, bexp, sid, bm)
+    assert (sid == T).all()
+    moe.moe_align_scatter(ids, pstart, sid)
+    tsid, tbexp = moe.moe_align(ids.view(1, T), E, bm, backend="torch")
+    assert torch.equal(sid, tsid) and torch.equal(bexp, tbexp)
+
+
+@pytest.mark.parametrize("fmt,M", [("w4a8", 3), ("w4a16", 2), ("w4a8", 1)])
+def test_fused_experts_partials_and_prequantized(fmt, M):
+    """partials=True: the [M*top_k, H] rows the reference gives per (token, k) (bad ids' rows are
+    skipped by combine_norm); xq: the same bits as quantizing inside."""
+    from ops.quant import quantize_int8
+
+    E, H, I, K = 16, 64, 32, 4
+    W = make_weights(fmt, E, H, I, seed=M)
+    g = torch.Generator().manual_seed(40 + M)
+    x = torch.randn(M, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(torch.int32)
+    if M > 1:
+        ids[1, 2] = -1
+    wts = torch.rand(M, K, generator=g)
+    p = moe.fused_experts(x, ids, wts, W, config=FAST, check_ids=False, partials=True)
+    ref = moe.experts_ref_rows(x, ids, wts, W)
+    ok = ((ids >= 0) & (ids < E)).reshape(-1)
+    tol = 1e-2 * ref.abs().max().item()
+    torch.testing.assert_close(p[ok], ref[ok], atol=tol, rtol=0)
+    y = moe.fused_experts(x, ids, wts, W, config=FAST, check_ids=False)
+    torch.testing.assert_close(y, moe.experts_ref(x, ids, wts, W), atol=tol, rtol=0)
+    if fmt == "w4a8":
+        pq = moe.fused_experts(x, ids, wts, W, config=FAST, check_ids=False, partials=True, xq=quantize_int8(x))
+        assert torch.equal(pq[ok], p[ok])
+        with pytest.raises(ValueError, match="xq"):
+            moe.fused_experts(x, ids, wts, W, config=FAST, xq=(quantize_int8(x)[0], quantize_int8(x)[1][:0]))
+
+
+@pytest.mark.parametrize("fmt,path", [("w4a8", "separate"), ("w4a8", "fused"), ("w4a16", None), ("bf16", None)])
+def test_unfilled_intermediate_padding_rows_never_reach_outputs(fmt, path):
+    """Stage 1 into a NaN-poisoned intermediate (what torch.empty may hold) gives the same stage-2
+    partial rows, bit for bit, as into a zero-filled one: padding rows are never read."""
+    from ops.quant import quant_per_token_int8, quantize_int8
+
+    E, H, I, K, M = 16, 64, 32, 4, 3
+    W = make_weights(fmt, E, H, I, seed=9)
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(M, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(torch.int32)
+    tw = torch.rand(M * K, generator=g)
+    sid, bexp = moe.moe_align(ids, E, 16)
+    S = sid.numel()
+    assert (sid == M * K).any()                    # there are padding rows
+    c1, c2 = dict(FAST["stage1"], BLOCK_M=16), dict(FAST["stage2"], BLOCK_M=16, REDUCE="partial")
+    outs = []
+    for fill in (0.0, float("nan")):
+        inter = torch.full((S, I), fill, dtype=torch.bfloat16)
+        if fmt == "w4a8":
+            moe.moe_stage1_w4a8(*quantize_int8(x), W.w13, W.s13, sid, bexp, inter, K, config=c1)
+        elif fmt == "w4a16":
+            moe.moe_stage1_w4a16(x, W.w13, W.s13, sid, bexp, inter, K, config=c1)
+        else:
+            moe.moe_stage1_bf16(x, W.w13, sid, bexp, inter, K, config=c1)
+        out0 = torch.zeros(0, H)
+        part = poisoned((M * K, H), torch.float32)
+        if path == "separate":
+            i8, i8s = torch.empty(S, I, dtype=torch.int8), torch.empty(S)
+            quant_per_token_int8(inter, i8, i8s, config=FAST["quant"])
+            moe.moe_stage2_w4a8_pq(i8, i8s, W.w2, W.s2, sid, bexp, tw, out0, part, K, config=c2)
+        else:
+            scales = (W.s2,) if fmt != "bf16" else ()
+            moe.STAGE2[fmt](inter, W.w2, *scales, sid, bexp, tw, out0, part, K, config=c2)
+        assert not part.isnan().any()
+        outs.append(part)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.slow
+def test_model_fused_moe_half_equals_unfused_chain(tmp_path_factory):
+    """KimiModel.step on triton (interpreter): the fused MoE half (rms_norm_quant in place ->
+    experts with pre-quantized rows and partial rows -> combine_norm) against the same model
+    forced onto the unfused chain (add_norm -> fused_experts -> moe_sum_ids -> + shared -> add_norm).
+    Logits and aux captures agree bit for bit (the fused kernels keep every rounding); the aux
+    captures are the residual entering each layer, untouched by the in-place norms after them."""
+    from models.kimi import KimiModel
+    from tests._model_fixtures import one_thread, tiny_pair
+
+    one_thread()
+    tk, _, _, _ = tiny_pair(tmp_path_factory.getbasetemp() / "combine_fx")
+    ids = tuple(i for i in tk.config.capture_layer_ids)
+    fused = KimiModel(tk, backend="triton", capture_ids=ids)
+    plain = KimiModel(tk, backend="triton", capture_ids=ids)
+    for (_, _, _, mlp) in plain.layers:
+        if hasattr(mlp, "fused_block"):
+            mlp.fused_block = lambda *a, **k: None           # the unfused chain, same kernels otherwise
+    toks = [[5, 9, 2, 7], [3, 1]]
+    outs = []
+    for m in (fused, plain):
+        c = m.new_cache(2, 16)
+        outs.append(m.forward(c, [(0, toks[0]), (1, toks[1])], keep_hidden=True))
+    for a, b in zip(outs[0].logits, outs[1].logits):
+        assert torch.equal(a, b)
+    for a, b in zip(outs[0].aux, outs[1].aux):
+        assert torch.equal(a, b)
+    # the last capture (id N = the final residual) is the returned hidden stream
+    assert torch.equal(outs[0].hidden, outs[1].hidden)
+
+
+def test_align_ids_in_the_expert_tile_padding_are_in_no_block():
+    """E=384 walks a 512-wide expert tile: an id in [384, 512) must be in no block (as every id
+    outside [0, E)), its row never written, the block map equal to the torch backend's."""
+    E, T = 384, 8
+    ids = torch.tensor([[28, 75, -1, 94, 391, 19, 511, 76]], dtype=torch.int32)
+    sid, bexp = moe.moe_align(ids, E, 16, check=False)
+    tsid, tbexp = moe.moe_align(ids, E, 16, backend="torch", check=False)
+    assert torch.equal(sid, tsid) and torch.equal(bexp, tbexp)
+    assert not ((sid == 4) | (sid == 6)).any() and (bexp < E).all()
