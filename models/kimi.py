@@ -13,8 +13,10 @@ The new rows' latent KV rows are appended to the paged cache and attention is ca
 
 MLA uses the absorbed form everywhere: q_nope is folded through W_UK into a kv_lora_rank-wide latent
 query and attention runs over the 576-wide (for Kimi) latent cache, W_UV is applied afterwards.
-With backend="triton" the attention is ops.mla.mla_decode and the append ops.mla.append_latent; with
-"torch" it is the same math in the model dtype over every row the block table reaches (masked).
+With backend="triton" the MLA half is 7 launches (ops.mla_fused: the norms, k rope and cache append
+in one kernel reading the q_a|kv_a output in place, W_UK with the q rope in one, the split combine
+with W_UV in one; see `_MLA._fused`); with "torch" it is the same math in the model dtype over every
+row the block table reaches (masked).
 
 Aux hidden states (models.config docstring): for every processed token, the residual stream
 ENTERING each layer of `capture_ids` (id N = the output of the last layer, before the final norm),

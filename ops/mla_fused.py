@@ -110,8 +110,10 @@ def mla_q_absorb(q: kd.In["T", "H", "DQK", kd.bf16], wuk: kd.In["H", "NOPE", "DL
     """out[t, h] = (q_nope[t, h] @ W_UK[h]) | rope(q_pe[t, h]): the absorbed MLA query, per head a
     [T, nope] x [nope, DL] GEMM (f32 accumulate, bf16 out); the first DL tile of each head also
     writes the roped q_pe."""
-    h, c, t = kd.grid(kd.each("H"), kd.tile("DL", "BLOCK_C", domain=(32, 64, 128, 256, 512), default=128),
-                      kd.tile("T", "BLOCK_T", domain=(1, 2, 4, 16, 32, 64), default=1))
+    # rows on grid axis 0 (no 65535 limit for long prefill chunks); programs next to each other share
+    # the same W_UK tile
+    t, c, h = kd.grid(kd.tile("T", "BLOCK_T", domain=(1, 2, 4, 16, 32, 64), default=1),
+                      kd.tile("DL", "BLOCK_C", domain=(32, 64, 128, 256, 512), default=128), kd.each("H"))
     NOPE = kd.static("NOPE")
     ks = kd.tiles("NOPE", block="BLOCK_K", domain=(16, 32, 64, 128), default=64)
     acc = kd.fold(ks, kd.zeros((t, c), kd.f32), lambda k, acc: acc + kd.dot(q[t, h, k], wuk[h, k, c]))
@@ -136,8 +138,8 @@ def mla_combine_uv(part: kd.In["BQ", "H", "S", "DL", kd.f32], lse: kd.In["BQ", "
     """out[m, h] = bf16(combine of the splits of (m, h)) @ W_UV[h]: the split merge of
     mla_decode_combine (split order, an online log-sum-exp, the same f32 ops) per DL tile, rounded
     to bf16 as that kernel stores it, then multiplied into W_UV with an f32 accumulator."""
-    h, v, m = kd.grid(kd.each("H"), kd.tile("V", "BLOCK_V", domain=(32, 64, 128, 256), default=128),
-                      kd.tile("BQ", "BLOCK_M", domain=(1, 2, 4, 16, 32), default=1))
+    m, v, h = kd.grid(kd.tile("BQ", "BLOCK_M", domain=(1, 2, 4, 16, 32), default=1),
+                      kd.tile("V", "BLOCK_V", domain=(32, 64, 128, 256), default=128), kd.each("H"))
 
     def ctile(c, y):
         def merge(s, m_i, l_i, acc):
