@@ -91,6 +91,13 @@ def test_prep_skips_padding_and_slots_past_the_cache():
             F.mla_prep(qkv, wq, wkv, cos, sin, slots, kv, 1e-6, q_lora=QL, backend=backend, validate=True)
 
 
+def test_prep_cache_stores_are_bounded():
+    """The page index is computed from a loaded slot: the DSL bounds every cache store by NP."""
+    for k in (F.mla_prep_qkv, F.mla_prep_kv):
+        src = k.source({}, "gfx942")
+        assert "bounded gather: kv index 0 (dim NP)" in src and "gathers_bounded" in src
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_prep_argument_checks(backend):
     qkv, wq, wkv, cos, sin, kv, slots = _prep_case(3, 24, 16, 8, 4, 4, seed=2)
