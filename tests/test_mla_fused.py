@@ -258,3 +258,18 @@ def test_model_fused_mla_matches_unfused_ops(tmp_path_factory):
         for _, attn, _, _ in m.layers:
             attn.fused = True
         torch.set_num_threads(n)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("kernel", [F.mla_prep_qkv, F.mla_prep_kv, F.mla_q_absorb, F.mla_combine_uv],
+                         ids=lambda k: k.name)
+def test_default_config_compiles_everywhere(kernel):
+    """Tier 2: the default config compiles for gfx942, gfx950 and sm90 (Kimi shapes, the kernels'
+    examples) with no spills and LDS within the limit."""
+    from kdsl import aot
+
+    for arch in ("gfx942", "gfx950", "sm90"):
+        r = aot.report(kernel, arch)
+        assert r.ok, r.text()
+        assert r.spills == 0 and r.scratch_bytes == 0, r.text()
+        assert r.lds_bytes <= r.lds_limit, r.text()
