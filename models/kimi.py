@@ -13,8 +13,10 @@ The new rows' latent KV rows are appended to the paged cache and attention is ca
 
 MLA uses the absorbed form everywhere: q_nope is folded through W_UK into a kv_lora_rank-wide latent
 query and attention runs over the 576-wide (for Kimi) latent cache, W_UV is applied afterwards.
-With backend="triton" the attention is ops.mla.mla_decode and the append ops.mla.append_latent; with
-"torch" it is the same math in the model dtype over every row the block table reaches (masked).
+With backend="triton" the MLA half is 7 launches (ops.mla_fused: the norms, k rope and cache append
+in one kernel reading the q_a|kv_a output in place, W_UK with the q rope in one, the split combine
+with W_UV in one; see `_MLA._fused`); with "torch" it is the same math in the model dtype over every
+row the block table reaches (masked).
 
 Aux hidden states (models.config docstring): for every processed token, the residual stream
 ENTERING each layer of `capture_ids` (id N = the output of the last layer, before the final norm),
@@ -275,12 +277,15 @@ class _MLA:
         self.w_uk = kvb[:, :nope].to(adt).contiguous().to(device)                  # [H, nope, C]
         self.w_uv_t = kvb[:, nope:].transpose(1, 2).to(adt).contiguous().to(device)  # [H, C, v]
         self.scale = cfg.softmax_scale
+        self.fused = True        # triton: the fused MLA kernels (ops.mla_fused); False runs the unfused ops
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache, layer: int,
                  ctx: StepCtx) -> torch.Tensor:
         from ops.rope import apply_rope, rope_ref
 
         c = self.cfg
+        if self.backend == "triton" and self.fused:
+            return self._fused(x, cos, sin, cache.kv[layer], ctx)
         T = x.shape[0]
         H, nope, r, C = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         if self.qkv_a is not None:
@@ -307,6 +312,63 @@ class _MLA:
         o = torch.bmm(out.to(adt).transpose(0, 1), self.w_uv_t)                     # [H, T, v]
         return self.o_proj(o.transpose(0, 1).reshape(T, H * c.v_head_dim))
 
+    def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvl: torch.Tensor,
+               ctx: StepCtx) -> torch.Tensor:
+        """The triton path in 7 launches (with q_a|kv_a as one GEMM): qkv_a GEMM -> mla_prep (both
+        norms, the k rope and the cache append, read in place from the GEMM output) -> q_b GEMM ->
+        mla_q_absorb (W_UK and the q rope) -> mla_decode_split -> mla_combine_uv (the split merge
+        and W_UV, writing o_proj's input) -> o_proj GEMM. Same math as the torch path below."""
+        from ops.mla_fused import mla_prep, q_absorb
+
+        c = self.cfg
+        T = x.shape[0]
+        H, nope, r = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+        tree = self._tree(ctx)                     # refuse an unsupported window before the cache is written
+        eps, wkv = self.kv_norm.eps, self.kv_norm.w
+        if self.qkv_a is not None:
+            qc = mla_prep(self.qkv_a(x), self.q_norm.w, wkv, cos, sin, ctx.slots, kvl, eps, q_lora=c.q_lora_rank)
+            q = self.q_b(qc)
+        else:
+            mla_prep(self.kv_a(x), None, wkv, cos, sin, ctx.slots, kvl, eps, q_lora=0)
+            q = self.q_b(self.q_norm(self.q_a(x))) if c.q_lora_rank else self.q_proj(x)
+        qf = q_absorb(q.view(T, H, nope + r), self.w_uk, cos, sin)                    # [T, H, C + r]
+        o = self._decode(qf, kvl, ctx, tree, self.w_uv_t)                             # [T, H, v]
+        return self.o_proj(o.view(T, H * c.v_head_dim))
+
+    def _tree(self, ctx: StepCtx) -> Optional[torch.Tensor]:
+        """The tree mask the triton decode takes (int8 [B, QL, QL]) or None; refuses what it cannot run."""
+        from ops.mla import MAX_Q_LEN
+
+        if ctx.window is None:
+            return None
+        QL = ctx.QL
+        if ctx.window.shape[-1] != QL:
+            raise NotImplementedError("triton MLA: visibility over earlier cached rows (draft tree) is not supported")
+        if QL > MAX_Q_LEN:
+            raise NotImplementedError(f"triton tree verify: {QL} tree nodes > mla_decode's q_len limit {MAX_Q_LEN}")
+        return ctx.window.to(torch.int8)
+
+    def _decode(self, qf: torch.Tensor, kvl: torch.Tensor, ctx: StepCtx, tree: Optional[torch.Tensor],
+                w_uv: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """mla_decode over the appended cache for qf [T, H, C + r] bf16: one batched launch pair per
+        chunk of MAX_Q_LEN rows -> [T, H, C] (or [T, H, v] through `w_uv`)."""
+        from ops.mla import MAX_Q_LEN, mla_decode
+
+        B, QL = ctx.B, ctx.QL
+        H = qf.shape[1]
+        qb = qf.view(B, QL, H, -1)
+        outs = []
+        for j in range(0, QL, MAX_Q_LEN):       # prefill: causal chunks of the kernel's q_len limit (QL is static)
+            e = min(QL, j + MAX_Q_LEN)
+            sl = ctx.seq_lens if e == QL else ctx.seq_lens - (QL - e)
+            # the op's batch-invariant split plan: fixed-size KV chunks from the table capacity (a host
+            # int), so the grid is fixed per cache and a row reduces in the same order at any batch or q_len
+            outs.append(mla_decode(qb if e - j == QL else qb[:, j:e].contiguous(), kvl, ctx.bt, sl, self.scale,
+                                   latent_dim=self.cfg.kv_lora_rank, tree_mask=tree, out_dtype=torch.bfloat16,
+                                   backend="triton", w_uv=w_uv))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        return o.reshape(B * QL, H, -1)
+
     def _attend(self, q: torch.Tensor, new: torch.Tensor, kvl: torch.Tensor, ctx: StepCtx) -> torch.Tensor:
         """Append the new latent rows at ctx.slots, then attend: one batched launch for all B sequences."""
         C = self.cfg.kv_lora_rank
@@ -321,27 +383,11 @@ class _MLA:
             s = s.masked_fill(~vis[:, :, None, :], float("-inf"))
             o = torch.einsum("bqhs,bsc->bqhc", s.softmax(-1), rows[..., :C])
             return o.reshape(B * QL, H, C).to(q.dtype)
-        from ops.mla import MAX_Q_LEN, append_latent, mla_decode
+        from ops.mla import append_latent
 
-        tree = None
-        if ctx.window is not None:
-            if ctx.window.shape[-1] != QL:
-                raise NotImplementedError("triton MLA: visibility over earlier cached rows (draft tree) is not supported")
-            if QL > MAX_Q_LEN:
-                raise NotImplementedError(f"triton tree verify: {QL} tree nodes > mla_decode's q_len limit {MAX_Q_LEN}")
-            tree = ctx.window.to(torch.int8)
+        tree = self._tree(ctx)
         append_latent(kvl, new.to(kvl.dtype).contiguous(), ctx.slots)
-        qb = q.to(torch.bfloat16).view(B, QL, H, -1)
-        outs = []
-        for j in range(0, QL, MAX_Q_LEN):       # prefill: causal chunks of the kernel's q_len limit (QL is static)
-            e = min(QL, j + MAX_Q_LEN)
-            sl = ctx.seq_lens if e == QL else ctx.seq_lens - (QL - e)
-            # the op's batch-invariant split plan: fixed-size KV chunks from the table capacity (a host
-            # int), so the grid is fixed per cache and a row reduces in the same order at any batch or q_len
-            outs.append(mla_decode(qb[:, j:e].contiguous(), kvl, ctx.bt, sl, self.scale, latent_dim=C, tree_mask=tree,
-                                   out_dtype=torch.bfloat16, backend="triton"))
-        o = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
-        return o.reshape(B * QL, H, C).to(q.dtype)
+        return self._decode(q.to(torch.bfloat16), kvl, ctx, tree).to(q.dtype)
 
 
 class KimiModel:

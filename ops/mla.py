@@ -352,7 +352,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                sm_scale: float, latent_dim: int = 512, tree_mask: torch.Tensor | None = None,
                splits: int | None = None, out_dtype: torch.dtype = torch.bfloat16, backend: str = "triton",
                config: dict[str, Any] | None = None, invariant: bool = True, validate: bool | None = None,
-               cu_count: int | None = None) -> torch.Tensor:
+               cu_count: int | None = None, w_uv: torch.Tensor | None = None) -> torch.Tensor:
     """MLA decode/verify: q [B, q_len, H, latent+rope] over the paged latent cache -> [B, q_len, H, latent].
 
     seq_lens count every cached token including the q_len new ones (append them first with
@@ -364,13 +364,23 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     backends: a length is clamped to [0, block_table width x page size]; a token whose table entry
     is outside [0, num_pages) reads as zeros (K = V = 0: a score of 0 and no value; never a wrapped
     index, never memory outside the cache); a row that sees no token is 0.
-    `validate=True` (or `ops._common.set_validate`) checks those values instead (device reads)."""
+    `validate=True` (or `ops._common.set_validate`) checks those values instead (device reads).
+    `w_uv` [H, latent, v] bf16 (absorbed W_UV): the output is instead [B, q_len, H, v] bf16 =
+    bf16(attention) @ W_UV[h], the split combine and the product in one launch (mla_combine_uv)."""
     check_backend("mla_decode", backend)
     _check(q, kv_cache, block_table, seq_lens, latent_dim, tree_mask, validating(validate))
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"mla_decode: out_dtype must be bf16 or f32, got {out_dtype}")
+    if w_uv is not None:
+        check_tensor("mla_decode", "w_uv", w_uv, 3, (torch.bfloat16,), q.device, contiguous=True)
+        if w_uv.shape[:2] != (q.shape[2], latent_dim) or out_dtype != torch.bfloat16:
+            raise ValueError(f"mla_decode: w_uv must be [H={q.shape[2]}, latent={latent_dim}, v] with a bf16 output, "
+                             f"got {tuple(w_uv.shape)} ({out_dtype})")
     if backend == "torch":
-        return mla_decode_ref(q, kv_cache, block_table, seq_lens, sm_scale, latent_dim, tree_mask).to(out_dtype)
+        o = mla_decode_ref(q, kv_cache, block_table, seq_lens, sm_scale, latent_dim, tree_mask).to(out_dtype)
+        if w_uv is None:
+            return o
+        return torch.einsum("bqhc,hcv->bqhv", o.float(), w_uv.float()).to(torch.bfloat16)
     B, QL, H, DQ = q.shape
     DR = DQ - latent_dim
     kern = mla_decode_split if tree_mask is None else mla_decode_split_tree
@@ -392,6 +402,11 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     sl = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     args = [q, kv_cache, bt, sl] + ([tree_mask.to(torch.int8).contiguous()] if tree_mask is not None else [])
     kern(*args, part, lse, float(sm_scale), QL * H, DR, config=cfg)
+    if w_uv is not None:
+        from ops.mla_fused import combine_uv
+
+        return combine_uv(part.view(B * QL, H, S, latent_dim), lse.view(B * QL, H, S), w_uv,
+                          invariant=invariant).view(B, QL, H, w_uv.shape[-1])
     out = torch.empty(B, QL, H, latent_dim, dtype=out_dtype, device=q.device)
     ck = mla_decode_combine if out_dtype == torch.bfloat16 else mla_decode_combine_f32
     ccfg = config_for(ck, {"B": B, "QL": QL, "QH": QL * H, "H": H, "S": S, "DL": latent_dim}, B * QL, None)

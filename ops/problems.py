@@ -386,3 +386,59 @@ MODELS += [
 register(*MODELS)
 
 from ops import problems_mxfp4  # noqa: E402,F401  (registers the MXFP4 kernels' models)
+
+
+# ---- the fused MLA steps (ops.mla_fused): prep (norms, k rope, cache append), q absorb (W_UK), and the
+# split combine with W_UV
+
+
+def _prep_derived(q: bool) -> Callable[[Problem, int, dict[str, Any]], Problem]:
+    def derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+        dq = p["DL"] + 2 * p["R2"]
+        return {"NQ": (p["QR"] if q else 0) + dq, "DQ": dq, "NP": 4096, "PS": 64}
+    return derived
+
+
+def _prep_bytes(q: bool) -> Callable[[Problem, int], float]:
+    """The GEMM output row read once, q_c and the cache row written, slot and cos/sin read, the
+    norm weights (the page pool is not traffic: a nominal 4096 pages of 64 fill the compile dims)."""
+    def nbytes(p: Problem, m: int) -> float:
+        qr = p["QR"] if q else 0
+        dq = p["DL"] + 2 * p["R2"]
+        return m * ((qr + dq) * 2 + qr * 2 + dq * 2 + 8 + 2 * p["R2"] * 4) + (qr + p["DL"]) * 2
+    return nbytes
+
+
+def _absorb_bytes(p: Problem, m: int) -> float:
+    """W_UK once, q rows in, absorbed rows out, cos/sin."""
+    dqk, dq = p["NOPE"] + 2 * p["R2"], p["DL"] + 2 * p["R2"]
+    return p["H"] * p["NOPE"] * p["DL"] * 2 + m * (p["H"] * (dqk + dq) * 2 + 2 * p["R2"] * 4)
+
+
+def _combine_uv_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
+    """The split count of the MLA split kernel it follows (batch-invariant plan at the problem's
+    context), unless the recorded launch bound one."""
+    if "S" in d:
+        return {}
+    return {"S": launch_split_count(_ctx(d), m, d["H"], 16, 32, 256, target.cu_count)}
+
+
+MLA_FUSED_MODELS = [
+    ProblemModel("mla_prep_qkv", ("QR", "DL", "R2"), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None,
+                 loop_block=None, bytes_fn=_prep_bytes(True), derived=_prep_derived(True),
+                 flops_fn=lambda p, m: m * (4.0 * (p["QR"] + p["DL"]) + 6.0 * p["R2"])),
+    ProblemModel("mla_prep_kv", ("DL", "R2"), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None,
+                 loop_block=None, bytes_fn=_prep_bytes(False), derived=_prep_derived(False),
+                 flops_fn=lambda p, m: m * (4.0 * p["DL"] + 6.0 * p["R2"])),
+    ProblemModel("mla_q_absorb", ("H", "NOPE", "DL", "R2"), m_dim="T", m_block="BLOCK_T", peak_dtype="bf16",
+                 loop_dim="NOPE", loop_block="BLOCK_K", bytes_fn=_absorb_bytes,
+                 flops_fn=lambda p, m: 2.0 * m * p["H"] * p["NOPE"] * p["DL"],
+                 derived=lambda p, m, c: {"DQK": p["NOPE"] + 2 * p["R2"], "DQ": p["DL"] + 2 * p["R2"]}),
+    # floor: W_UV once and the bf16 output; the f32 split partials it reads are the split's overhead
+    ProblemModel("mla_combine_uv", ("H", "DL", "V"), m_dim="BQ", m_block="BLOCK_M", peak_dtype="bf16",
+                 loop_dim="DL", loop_block="BLOCK_C", launch_dims=_combine_uv_launch,
+                 bytes_fn=lambda p, m: p["H"] * p["DL"] * p["V"] * 2 + m * p["H"] * p["V"] * 2,
+                 flops_fn=lambda p, m: 2.0 * m * p["H"] * p["DL"] * p["V"],
+                 extra_bytes_fn=lambda p, m, d: m * p["H"] * int(d.get("S", p.get("S", 1))) * (p["DL"] + 1) * 4.0),
+]
+register(*MLA_FUSED_MODELS)

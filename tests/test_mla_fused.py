@@ -1,0 +1,275 @@
+"""The fused MLA steps (ops.mla_fused) on the interpreter against their torch references, on fresh
+random data, outputs poisoned first, ragged sizes (small latent dims, H 1..5).
+
+Tolerances:
+- mla_prep (norms, k rope, cache append): bit-identical to the unfused ops (rmsnorm, rope_interleaved,
+  append_latent), which the reference mirrors: the same f32 expressions, rounded to bf16 where those
+  kernels store.
+- mla_q_absorb: the roped q_pe part bit-identical to rope_interleaved; the absorbed part is an f32
+  accumulated product rounded once to bf16: against the f32 reference, within one bf16 ulp
+  (rtol 2^-7 relative to the row scale, atol 1e-2 on O(10) values).
+- mla_combine_uv: with W_UV = identity it returns mla_decode_combine's bf16 output bit for bit (the
+  same split merge); with a random W_UV it matches bf16(combine) @ W_UV in f32 within one bf16 ulp.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from ops import mla, mla_fused as F, norm, rope
+from tests.conftest import poisoned
+
+
+def _rand(*shape, g, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def _prep_case(T, q_lora, C, R, NP, PS, seed, pad_cols=5):
+    g = torch.Generator().manual_seed(seed)
+    # the GEMM output as a strided view of a wider buffer: the kernel reads rows in place
+    buf = _rand(T, q_lora + C + R + pad_cols, g=g, scale=3.0)
+    qkv = buf[:, :q_lora + C + R]
+    wq = _rand(q_lora, g=g) if q_lora else None
+    wkv = _rand(C, g=g)
+    ang = torch.rand(T, R // 2, generator=g) * 6.0
+    kv = _rand(NP, PS, C + R, g=g)
+    slots = torch.randperm(NP * PS, generator=g)[:T]
+    return qkv, wq, wkv, ang.cos(), ang.sin(), kv, slots
+
+
+def _unfused(qkv, wq, wkv, cos, sin, kv, slots, q_lora, C):
+    """The old model path through the triton ops: rmsnorm x2, rope on k_pe, cat, append_latent."""
+    T = qkv.shape[0]
+    qc = norm.rms_norm(qkv[:, :q_lora].contiguous(), wq, 1e-6) if q_lora else None
+    lat = norm.rms_norm(qkv[:, q_lora:q_lora + C].contiguous(), wkv, 1e-6)
+    pe = rope.apply_rope(qkv[:, q_lora + C:].reshape(T, 1, -1).contiguous(), cos, sin, "interleaved")
+    mla.append_latent(kv, torch.cat([lat, pe.reshape(T, -1)], -1), slots)
+    return qc
+
+
+@settings(max_examples=6)
+@given(T=st.integers(1, 9), q_lora=st.sampled_from([0, 24, 48]), C=st.sampled_from([16, 32, 40]),
+       R=st.sampled_from([8, 16]), seed=st.integers(0, 2**16))
+def test_prep_matches_unfused_ops_bit_for_bit(T, q_lora, C, R, seed):
+    qkv, wq, wkv, cos, sin, kv, slots = _prep_case(T, q_lora, C, R, NP=5, PS=4, seed=seed)
+    kv_ref, kv_old, kv_new = kv.clone(), kv.clone(), kv.clone()
+    kv_new[:] = float("nan")                 # poisoned: every untouched slot must still be NaN after
+    kv_ref[:] = float("nan")
+    qc = F.mla_prep(qkv, wq, wkv, cos, sin, slots, kv_new, 1e-6, q_lora=q_lora)
+    qc_ref = F.mla_prep(qkv, wq, wkv, cos, sin, slots, kv_ref, 1e-6, q_lora=q_lora, backend="torch")
+    qc_old = _unfused(qkv, wq, wkv, cos, sin, kv_old, slots, q_lora, C)
+    written = torch.zeros(5 * 4, dtype=torch.bool)
+    written[slots] = True
+    flat_new, flat_ref = kv_new.view(-1, kv.shape[-1]), kv_ref.view(-1, kv.shape[-1])
+    assert torch.equal(flat_new[written], flat_ref[written])
+    assert torch.equal(flat_new[written], kv_old.view(-1, kv.shape[-1])[written])
+    assert flat_new[~written].isnan().all()  # nothing else of the cache was written
+    if q_lora:
+        assert torch.equal(qc, qc_ref) and torch.equal(qc, qc_old)
+    else:
+        assert qc is None and qc_ref is None
+
+
+def test_prep_skips_padding_and_slots_past_the_cache():
+    """slot -1 (padding) and slots >= the capacity store nothing: the cache is read back through a
+    view of a bigger buffer whose poisoned guard pages must stay untouched (bounded gathers)."""
+    NP, PS, C, R, QL = 3, 4, 16, 8, 24
+    qkv, wq, wkv, cos, sin, _, _ = _prep_case(4, QL, C, R, NP, PS, seed=3)
+    for backend in ("triton", "torch"):
+        buf = torch.full((NP + 4, PS, C + R), 7.0, dtype=torch.bfloat16)
+        kv = buf[2:2 + NP]
+        kv.copy_(_rand(NP, PS, C + R, g=torch.Generator().manual_seed(1)))
+        b0 = buf.clone()
+        slots = torch.tensor([NP * PS, 5, -1, NP * PS + 3 * PS + 1])
+        qc = F.mla_prep(qkv, wq, wkv, cos, sin, slots, kv, 1e-6, q_lora=QL, backend=backend)
+        assert torch.equal(buf[:2], b0[:2]) and torch.equal(buf[2 + NP:], b0[2 + NP:]), backend
+        changed = (buf != b0).any(-1).nonzero().tolist()
+        assert changed == [[2 + 1, 1]], (backend, changed)   # only slot 5 = page 1, offset 1
+        assert qc.shape == (4, QL) and not qc.isnan().any()
+        with pytest.raises(ValueError, match="beyond the cache"):
+            F.mla_prep(qkv, wq, wkv, cos, sin, slots, kv, 1e-6, q_lora=QL, backend=backend, validate=True)
+
+
+def test_prep_cache_stores_are_bounded():
+    """The page index is computed from a loaded slot: the DSL bounds every cache store by NP."""
+    for k in (F.mla_prep_qkv, F.mla_prep_kv):
+        src = k.source({}, "gfx942")
+        assert "bounded gather: kv index 0 (dim NP)" in src and "gathers_bounded" in src
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_prep_argument_checks(backend):
+    qkv, wq, wkv, cos, sin, kv, slots = _prep_case(3, 24, 16, 8, 4, 4, seed=2)
+    with pytest.raises(ValueError, match="qkv must be"):
+        F.mla_prep(qkv[:, 1:], wq, wkv, cos, sin, slots, kv, 1e-6, q_lora=24, backend=backend)
+    with pytest.raises(ValueError, match="slots must be"):
+        F.mla_prep(qkv, wq, wkv, cos, sin, slots[:2], kv, 1e-6, q_lora=24, backend=backend)
+    with pytest.raises(ValueError, match="cos must be"):
+        F.mla_prep(qkv, wq, wkv, cos[:, :2], sin, slots, kv, 1e-6, q_lora=24, backend=backend)
+    with pytest.raises(TypeError, match="qkv must be bfloat16"):
+        F.mla_prep(qkv.float(), wq, wkv, cos, sin, slots, kv, 1e-6, q_lora=24, backend=backend)
+
+
+def _absorb_case(T, H, nope, R, C, seed):
+    g = torch.Generator().manual_seed(seed)
+    buf = _rand(T, H * (nope + R), g=g, scale=2.0)          # the q_b GEMM output, viewed per head
+    ang = torch.rand(T, R // 2, generator=g) * 6.0
+    return buf.view(T, H, nope + R), _rand(H, nope, C, g=g, scale=0.3), ang.cos(), ang.sin()
+
+
+@settings(max_examples=6)
+@given(T=st.integers(1, 21), H=st.integers(1, 5), nope=st.sampled_from([16, 24, 32]), C=st.sampled_from([16, 40, 64]),
+       R=st.sampled_from([8, 16]), cfg=st.sampled_from([None, {"BLOCK_T": 16, "BLOCK_C": 32, "BLOCK_K": 16},
+                                                        {"BLOCK_T": 2, "BLOCK_C": 64, "BLOCK_K": 32}]),
+       seed=st.integers(0, 2**16))
+def test_q_absorb_matches_reference(T, H, nope, C, R, cfg, seed):
+    q, wuk, cos, sin = _absorb_case(T, H, nope, R, C, seed)
+    out = F.q_absorb(q, wuk, cos, sin, config=cfg)
+    ref = F.mla_q_absorb_ref(q, wuk, cos, sin)
+    exact = torch.einsum("thn,hnc->thc", q[..., :nope].float(), wuk.float())
+    assert out.shape == (T, H, C + R) and not out.isnan().any()
+    # q_pe: exactly the rope kernel's output
+    assert torch.equal(out[..., C:], rope.apply_rope(q[..., nope:], cos, sin, "interleaved"))
+    assert torch.equal(out[..., C:], ref[..., C:])
+    torch.testing.assert_close(out[..., :C].float(), exact, rtol=2 ** -7, atol=1e-2)
+
+
+def test_q_absorb_writes_every_element():
+    """Output poisoned first (the op allocates with torch.empty: run the kernel into a NaN buffer)."""
+    q, wuk, cos, sin = _absorb_case(5, 3, 16, 8, 48, seed=9)
+    out = poisoned((5, 3, 56), torch.bfloat16)
+    F.mla_q_absorb(q, wuk, cos, sin, out, config={"BLOCK_T": 4, "BLOCK_C": 32, "BLOCK_K": 16})
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), F.mla_q_absorb_ref(q, wuk, cos, sin).float(), rtol=2 ** -7, atol=1e-2)
+
+
+def _decode_case(lens, q_len, H, C, R, seed, ps=8):
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    mp = max(-(-n // ps) for n in lens) + 1
+    npages = B * mp + 2
+    kv = _rand(npages, ps, C + R, g=g)
+    bt = torch.randperm(npages, generator=g)[:B * mp].view(B, mp).to(torch.int32)
+    q = _rand(B, q_len, H, C + R, g=g)
+    return q, kv, bt, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_combine_uv_identity_equals_combine_bit_for_bit(splits):
+    """W_UV = I: the fused kernel's output is mla_decode_combine's bf16 output, bit for bit."""
+    C, R, H = 32, 16, 3
+    q, kv, bt, lens = _decode_case([9, 26], 2, H, C, R, seed=4)
+    eye = torch.eye(C, dtype=torch.bfloat16).expand(H, C, C).contiguous()
+    base = mla.mla_decode(q, kv, bt, lens, 0.3, latent_dim=C, splits=splits, config={"BLOCK_N": 16})
+    fused = mla.mla_decode(q, kv, bt, lens, 0.3, latent_dim=C, splits=splits, config={"BLOCK_N": 16}, w_uv=eye)
+    assert torch.equal(fused, base)
+    # the kernel alone at other tiles (VALU and matrix-core products), poisoned output
+    S = 3
+    g = torch.Generator().manual_seed(5)
+    part = torch.randn(4, H, S, C, generator=g)
+    lse = torch.randn(4, H, S, generator=g) * 3
+    lse[1, :, 1] = float("-inf")                                     # an empty split
+    lse[2] = float("-inf")                                           # a row that saw nothing: 0
+    want = poisoned((4, H, C), torch.bfloat16)
+    mla.mla_decode_combine(part.view(1, 4, H, S, C), lse.view(1, 4, H, S), want.view(1, 4, H, C), 4 * H)
+    for cfg in ({"BLOCK_M": 1, "BLOCK_V": 32, "BLOCK_C": 16}, {"BLOCK_M": 16, "BLOCK_V": 32, "BLOCK_C": 32}):
+        out = poisoned((4, H, C), torch.bfloat16)
+        F.mla_combine_uv(part, lse, eye, out, config=cfg)
+        assert torch.equal(out, want) and (out[2] == 0).all()
+
+
+@settings(max_examples=5)
+@given(lens=st.lists(st.integers(4, 40), min_size=1, max_size=3), q_len=st.sampled_from([1, 3]),
+       H=st.integers(1, 4), V=st.sampled_from([8, 24, 32]), splits=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_decode_with_w_uv_matches_reference(lens, q_len, H, V, splits, seed):
+    C, R = 32, 16
+    q, kv, bt, sl = _decode_case(lens, q_len, H, C, R, seed)
+    w = _rand(H, C, V, g=torch.Generator().manual_seed(seed + 1), scale=0.5)
+    out = mla.mla_decode(q, kv, bt, sl, 0.3, latent_dim=C, splits=splits, w_uv=w)
+    lat = mla.mla_decode(q, kv, bt, sl, 0.3, latent_dim=C, splits=splits)
+    assert out.shape == (len(lens), q_len, H, V) and not out.isnan().any()
+    torch.testing.assert_close(out.float(), torch.einsum("bqhc,hcv->bqhv", lat.float(), w.float()),
+                               rtol=2 ** -7, atol=1e-2)
+    ref = mla.mla_decode(q, kv, bt, sl, 0.3, latent_dim=C, w_uv=w, backend="torch")
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.05, atol=0.05)  # bf16 attention vs f64
+
+
+def test_decode_w_uv_row_does_not_depend_on_batch():
+    """Batch-invariant default: row 0 of a batch-8 launch equals the batch-1 launch bit for bit."""
+    C, R, H, V = 32, 16, 2, 16
+    q, kv, bt, sl = _decode_case([30, 9, 17, 25, 5, 12, 40, 8], 1, H, C, R, seed=8)
+    w = _rand(H, C, V, g=torch.Generator().manual_seed(2), scale=0.5)
+    all8 = mla.mla_decode(q, kv, bt, sl, 0.3, latent_dim=C, w_uv=w)
+    one = mla.mla_decode(q[:1], kv, bt[:1], sl[:1], 0.3, latent_dim=C, w_uv=w)
+    assert torch.equal(all8[:1], one)
+
+
+def test_decode_w_uv_checks():
+    q, kv, bt, sl = _decode_case([9], 1, 2, 32, 16, seed=1)
+    with pytest.raises(ValueError, match="w_uv must be"):
+        mla.mla_decode(q, kv, bt, sl, 0.3, latent_dim=32, w_uv=torch.zeros(3, 32, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="w_uv must be"):
+        mla.mla_decode(q, kv, bt, sl, 0.3, latent_dim=32, out_dtype=torch.float32,
+                       w_uv=torch.zeros(2, 32, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.slow
+def test_model_fused_mla_matches_unfused_ops(tmp_path_factory):
+    """KimiModel on the kernels: the fused MLA path against the unfused ops (`_MLA.fused = False`).
+    Layer 0's cache rows are bit-identical (mla_prep equals the norms + rope + append it replaces, on
+    the same input); later layers and the logits differ only by the bf16 rounding order of the W_UK /
+    W_UV products: logits within 0.1 absolute (~5 in size), routing replayed from the fused run."""
+    from models.kimi import KimiModel, RoutingTrace
+    from tests._model_fixtures import one_thread, tiny_pair
+
+    n = one_thread()
+    try:
+        tk = tiny_pair(tmp_path_factory.getbasetemp() / "models_fx")[0]
+        m = KimiModel(tk, backend="triton")
+        toks = [11, 42, 7, 300, 5]
+        outs, caches = [], []
+        rec = RoutingTrace("record")
+        for fused in (True, False):
+            for _, attn, _, _ in m.layers:
+                attn.fused = fused
+            m.routing = rec if fused else RoutingTrace("replay", rec.log)
+            c = m.new_cache(1, 16)
+            for kv in c.kv:
+                kv.fill_(float("nan"))             # poisoned: every row the step reads must have been written
+            a = m.forward(c, [(0, toks)])
+            b = m.forward(c, [(0, [int(a.logits[0][-1].argmax())])])
+            outs.append((a, b))
+            caches.append(c)
+        m.routing = None
+        n_rows = len(toks) + 1
+        rows = lambda c, i: c.kv[i].view(-1, c.kv[i].shape[-1])  # noqa: E731
+        ps = caches[0].table.page_size
+        flat = torch.cat([torch.arange(p * ps, p * ps + ps) for p in caches[0].table.bt[0].tolist()])[:n_rows]
+        assert torch.equal(rows(caches[0], 0)[flat], rows(caches[1], 0)[flat])
+        assert not rows(caches[0], 0)[flat].isnan().any()
+        for i in range(1, len(caches[0].kv)):
+            torch.testing.assert_close(rows(caches[0], i)[flat].float(), rows(caches[1], i)[flat].float(),
+                                       atol=0.1, rtol=0.05)
+        (fa, fb), (ua, ub) = outs
+        torch.testing.assert_close(fa.logits[0], ua.logits[0], atol=0.1, rtol=0)
+        torch.testing.assert_close(fb.logits[0], ub.logits[0], atol=0.1, rtol=0)
+    finally:
+        for _, attn, _, _ in m.layers:
+            attn.fused = True
+        torch.set_num_threads(n)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("kernel", [F.mla_prep_qkv, F.mla_prep_kv, F.mla_q_absorb, F.mla_combine_uv],
+                         ids=lambda k: k.name)
+def test_default_config_compiles_everywhere(kernel):
+    """Tier 2: the default config compiles for gfx942, gfx950 and sm90 (Kimi shapes, the kernels'
+    examples) with no spills and LDS within the limit."""
+    from kdsl import aot
+
+    for arch in ("gfx942", "gfx950", "sm90"):
+        r = aot.report(kernel, arch)
+        assert r.ok, r.text()
+        assert r.spills == 0 and r.scratch_bytes == 0, r.text()
+        assert r.lds_bytes <= r.lds_limit, r.text()
