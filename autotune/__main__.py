@@ -347,44 +347,9 @@ def cmd_tune_model(a: argparse.Namespace) -> int:
         cfg = load_model_config(a.config, a.tp, a.moe_parallel, layers=2)
     except (ValueError, OSError) as e:
         _fail(f"autotune: --config {a.config!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-    from .search import tune
-    from .store import file_path, load_file
-
     probs = step_problems(cfg, a.experts, a.arch, [int(q) for q in qls if q != ANY], tp=a.tp, moe_parallel=a.moe_parallel)
-    only = set(x.strip() for x in a.only.split(",")) if a.only else None
     print(f"{len(probs)} distinct kernel problems in the step ({a.experts}, tp {a.tp}, {a.arch})")
-    for kern, prob, m_min in probs:
-        if only and kern.name not in only:
-            continue
-        from .buckets import bucket_for
-
-        # buckets below the smallest M this launch can have (q_len 4 attention: M >= 4) are never used
-        lo = bucket_for(max(1, m_min))
-        want = [m for m in ms if m == ANY or bucket_for(m) >= lo] or [lo, ANY]  # e.g. MoE padded rows (M=144)
-        label = f"{kern.name} " + ",".join(f"{k}={v}" for k, v in prob.items())
-        if a.dry_run:
-            print("  " + label)
-            continue
-        path = file_path(kern, a.arch, prob, out)
-        if a.skip_tuned and os.path.exists(path):
-            try:
-                have = {e["bucket"] for e in load_file(path)["entries"]}
-                if all(m in have for m in want):
-                    print(f"  skip {label}: {path} has every bucket")
-                    continue
-            except Exception:  # noqa: BLE001
-                pass
-        print(f"  tune {label}", flush=True)
-        try:
-            p, doc = tune(kern, a.arch, prob, want, budget_s=a.budget_s, seed=a.seed, out=out,
-                          max_candidates=a.max_candidates, workers=a.workers, progress=not a.quiet,
-                          cu_count=a.cu_count)
-        except Exception as e:  # noqa: BLE001 - one problem failing does not stop the others
-            print(f"  FAILED {label}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            continue
-        print(f"  wrote {p}" + ("  (budget hit)" if doc["provenance"].get("budget_hit") else ""))
-        print(paste_lines(doc))
-    return 0
+    return _tune_problems(a, probs, out, ms)
 
 
 def _add_tune_model_draft(m: argparse.ArgumentParser) -> None:
@@ -436,13 +401,14 @@ def cmd_tune_model_draft(a: argparse.Namespace) -> int:
             else:
                 kept.append((k, p, m))
         probs = kept
-    return _tune_draft_problems(a, probs, out, ms)
+    return _tune_problems(a, probs, out, ms)
 
 
 
-def _tune_draft_problems(a: argparse.Namespace, probs: list, out: str | None, ms: list[Any]) -> int:
-    """Tune each (kernel, problem, smallest M) of the draft's step at the M buckets it can use (as
-    cmd_tune_model does for the target's)."""
+def _tune_problems(a: argparse.Namespace, probs: list, out: str | None, ms: list[Any]) -> int:
+    """Tune each (kernel, problem, smallest M) of a recorded step (target or draft) at the M buckets it
+    can use: buckets below the smallest M of the launch (q_len 4 attention, the draft's extend: M >= 4)
+    are never used; one problem failing does not stop the others."""
     from .buckets import bucket_for
     from .search import tune
     from .store import file_path, load_file

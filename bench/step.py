@@ -87,12 +87,17 @@ class StepRecord:
 def record_step(cfg: Any, experts: str, arch: str, batch: int, ctx: int, q_len: int, model: Any = None,
                 mode: HostShadowMode | None = None, tp: int = 1, moe_parallel: str = "tp") -> StepRecord:
     """Record one forward of `batch` x `q_len` new tokens at context `ctx` (see module docstring)."""
-    import kdsl as kd
-    from autotune.store import lookup_log
-
     mode = mode or HostShadowMode()
     if model is None:
         model = build_model(cfg, experts, mode, tp, moe_parallel)
+    return _record(mode, arch, q_len, cfg.num_hidden_layers, lambda: run_step(model, cfg, mode, batch, ctx, q_len))
+
+
+def _record(mode: HostShadowMode, arch: str, q_len: int, layers: int, run: Any) -> StepRecord:
+    """Run `run()` (one step) under kdsl's record mode and a lookup log, with `mode` emptied first."""
+    import kdsl as kd
+    from autotune.store import lookup_log
+
     mode.ops.clear()
     mode.device_reads.clear()
     mode.marks.clear()
@@ -103,8 +108,8 @@ def record_step(cfg: Any, experts: str, arch: str, batch: int, ctx: int, q_len: 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with lookup_log() as log, kd.recording(arch) as rec:
-            run_step(model, cfg, mode, batch, ctx, q_len)
-    return StepRecord(q_len, list(rec.launches), list(log), mode, cfg.num_hidden_layers, time.time() - t0)
+            run()
+    return StepRecord(q_len, list(rec.launches), list(log), mode, layers, time.time() - t0)
 
 
 def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: int = 1, ctx: int = 8192,
@@ -663,23 +668,12 @@ def record_draft_step(dcfg: Any, arch: str, batch: int, ctx: int, q_len: int, dr
                       mode: HostShadowMode | None = None, hidden: str | None = None) -> StepRecord:
     """Record one draft step (`bench.meta_model.run_draft_step`: carried state at q_len 1, the target's
     aux rows above) as `record_step` records the target's."""
-    import kdsl as kd
-    from autotune.store import lookup_log
     from bench.meta_model import build_draft, run_draft_step
 
     mode = mode or HostShadowMode()
     if draft is None:
         draft = build_draft(dcfg)
-    mode.ops.clear()
-    mode.device_reads.clear()
-    mode.marks.clear()
-    mode.host_ops = 0
-    t0 = time.time()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with lookup_log() as log, kd.recording(arch) as rec:
-            run_draft_step(draft, mode, batch, ctx, q_len, hidden)
-    return StepRecord(q_len, list(rec.launches), list(log), mode, 1, time.time() - t0)
+    return _record(mode, arch, q_len, 1, lambda: run_draft_step(draft, mode, batch, ctx, q_len, hidden))
 
 
 def draft_step_problems(dcfg: Any, arch: str, q_lens: list[int], batch: int = 1, ctx: int = 8192
