@@ -32,10 +32,12 @@ mha() {  # EAGLE-3 draft attention: 64 heads x 128 over its own paged cache (pag
   run mha_decode QL=1,HQ=64,KVH=64,D=128,PS=64 24
   MS="4,8,16,32,64,128,256,any" run mha_decode QL=4,HQ=64,KVH=64,D=128,PS=64 24
 }
-mxfp4() {  # MXFP4 (W4A4) MoE stages at the MI355X deployment shapes: TP4 (I=512) and TP8 (I=256), gfx950
+mxfp4() {  # MXFP4 MoE stages at the MI355X deployment shapes: TP4 (I=512) and TP8 (I=256), gfx950
   for I in 256 512; do
-    ARCHS=gfx950 MS="1,2,4,8,16,32,64,128" run moe_stage1_mxfp4 E=384,K=7168,I=$I,TOPK=8 8
-    ARCHS=gfx950 MS="1,2,4,8,16,32,64,128" run moe_stage2_mxfp4 E=384,H=7168,I=$I,TOPK=8 8
+    for v in "" _fp8 _bf16a; do   # W4A4, W4A8-FP8 and bf16-activation variants
+      ARCHS=gfx950 MS="1,2,4,8,16,32,64,128" run moe_stage1_mxfp4$v E=384,K=7168,I=$I,TOPK=8 8
+      ARCHS=gfx950 MS="1,2,4,8,16,32,64,128" run moe_stage2_mxfp4$v E=384,H=7168,I=$I,TOPK=8 8
+    done
   done
 }
 step() {  # every kdsl launch of the recorded decode (q_len 1) and verify (q_len 4) step
