@@ -3,6 +3,7 @@ measured on a GPU, static on a CPU.
 
     python -m bench.moe                          # GPU: measured vs a torch path; CPU: static, gfx942 + gfx950
     python -m bench.moe --static --arch gfx942 --m 1 4 16 64 --fmt w4a8 w4a16
+    python -m bench.moe --static --arch gfx950 --m 1 4 --fmt w4a8 mxfp4   # MXFP4 (W4A4): static only
     python -m bench.moe --json /tmp/moe.json
 
 The figure that matters is the bandwidth over the bytes of the experts a step actually touches
@@ -46,6 +47,8 @@ def weight_bytes(fmt: str, shape: dict[str, int], experts: float) -> float:
         b = per / 2 + (2 * I + H) * 4
     elif fmt == "w4a16":
         b = per / 2 + per / 32 * 2
+    elif fmt == "mxfp4":
+        b = per / 2 + per / 32       # E2M1 codes and one E8M0 byte per 32
     else:
         b = per * 2
     return experts * b + E * H * 2
@@ -59,6 +62,10 @@ def launches(fmt: str, shape: dict[str, int], m: int) -> list[tuple[Any, dict[st
     from autotune.problems import full_dims
 
     E, H, I, K = shape["E"], shape["H"], shape["I"], shape["TOPK"]
+    if fmt == "mxfp4":              # W4A4: the MXFP4 quantizer and stages (bench.mxfp4's rows), on gfx950
+        from bench.mxfp4 import launches as mx_launches
+
+        return [(moe.moe_gate_gemm, {"E": E, "H": H}, m)] + mx_launches("mxfp4", shape, m)
     s1, s2 = moe.STAGE1[fmt], (moe.moe_stage2_w4a8_pq if fmt == "w4a8" else moe.STAGE2[fmt])
     p1, p2 = {"E": E, "K": H, "I": I, "TOPK": K}, {"E": E, "H": H, "I": I, "TOPK": K}
     out: list[tuple[Any, dict[str, int], int]] = [(moe.moe_gate_gemm, {"E": E, "H": H}, m)]
@@ -238,8 +245,8 @@ def gpu_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__.split("\n")[0])
     p.add_argument("--arch", nargs="+", default=list(STATIC_ARCHES), help="static mode: arches (default gfx942 gfx950)")
-    p.add_argument("--fmt", nargs="+", default=list(FORMATS), choices=["w4a8", "w4a16", "bf16"],
-                   help="expert weight formats (default w4a8 w4a16)")
+    p.add_argument("--fmt", nargs="+", default=list(FORMATS), choices=["w4a8", "w4a16", "bf16", "mxfp4"],
+                   help="expert weight formats (default w4a8 w4a16; mxfp4 (W4A4): static figures only)")
     p.add_argument("--m", nargs="+", type=int, default=list(M_VALUES), help="tokens per step (default 1 4 16 64)")
     p.add_argument("--static", action="store_true", help="static figures even when a GPU is present")
     p.add_argument("--json", default=None, help="where to write the JSON (default .benchmarks/moe_<mode>.json)")
@@ -247,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(m < 1 for m in a.m):
         p.error("--m values must be >= 1")
     t0 = time.time()
+    if "mxfp4" in a.fmt and torch.cuda.is_available() and not a.static:
+        p.error("--fmt mxfp4 has static figures only: add --static")
     if torch.cuda.is_available() and not a.static:
         rows = []
         for fmt in a.fmt:

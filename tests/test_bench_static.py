@@ -147,3 +147,17 @@ def test_moe_measured_record_dry_run(monkeypatch) -> None:
         assert r["gbps"] == pytest.approx(B.weight_bytes(r["fmt"], shape, r["experts_touched"]) / 4e3)
     assert rows[0]["experts_touched"] == 4
     assert "w4a16" in B.gpu_table(rows) and rows[1]["ratio_vs_m1"] == 1.0
+
+
+@pytest.mark.aot
+def test_moe_static_mxfp4_row() -> None:
+    """The MXFP4 (W4A4) row next to W4A8: its own quantizer and stages, E2M1 + E8M0 bytes in the floor."""
+    from bench import moe as B
+
+    s = B.KIMI_MOE
+    E, H, I = s["E"], s["H"], s["I"]
+    assert B.weight_bytes("mxfp4", s, 8) == pytest.approx(8 * (3 * I * H / 2 + 3 * I * H / 32) + E * H * 2)
+    r = B.static_row("mxfp4", "gfx950", 1)
+    assert [k["kernel"] for k in r.kernels] == ["moe_gate_gemm", "quant_mxfp4", "moe_stage1_mxfp4", "quant_mxfp4",
+                                                "moe_stage2_mxfp4"]
+    assert r.predicted_us >= r.floor_us > 0 and all(k["resources"]["spills"] == 0 for k in r.kernels)
