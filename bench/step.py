@@ -117,13 +117,18 @@ def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: i
     """Distinct (kernel, keyed problem, smallest M launched) of the kdsl launches of the recorded
     steps (for tune-model). Kernels whose op looks up no tuned config are left out (nothing would
     read their files). The smallest M matters for decode attention: at q_len 4, M = batch x 4."""
+    mode = HostShadowMode()
+    model = build_model(cfg, experts, mode, tp, moe_parallel)
+    return _problems([record_step(cfg, experts, arch, batch, ctx, ql, model, mode) for ql in q_lens], batch)
+
+
+def _problems(recs: list[StepRecord], batch: int) -> list[tuple[Any, dict[str, Any], int]]:
+    """Distinct (kernel, keyed problem, smallest per-sequence M) of the recorded steps' launches whose
+    op looked up a tuned config."""
     from autotune.problems import m_of, strip_m
 
     out: dict[tuple, tuple[Any, dict[str, Any], int]] = {}
-    mode = HostShadowMode()
-    model = build_model(cfg, experts, mode, tp, moe_parallel)
-    for ql in q_lens:
-        rec = record_step(cfg, experts, arch, batch, ctx, ql, model, mode)
+    for rec in recs:
         looked = {e["kernel"] for e in rec.lookups}
         for r in rec.launches:
             if r.kernel.name not in looked:
@@ -679,24 +684,11 @@ def record_draft_step(dcfg: Any, arch: str, batch: int, ctx: int, q_len: int, dr
 def draft_step_problems(dcfg: Any, arch: str, q_lens: list[int], batch: int = 1, ctx: int = 8192
                         ) -> list[tuple[Any, dict[str, Any], int]]:
     """As `step_problems`, for the draft's steps at `q_lens` (for tune-model --model draft)."""
-    from autotune.problems import m_of, strip_m
     from bench.meta_model import build_draft
 
-    out: dict[tuple, tuple[Any, dict[str, Any], int]] = {}
     mode = HostShadowMode()
     draft = build_draft(dcfg)
-    for ql in q_lens:
-        rec = record_draft_step(dcfg, arch, batch, ctx, ql, draft, mode)
-        looked = {e["kernel"] for e in rec.lookups}
-        for r in rec.launches:
-            if r.kernel.name not in looked:
-                continue
-            p = strip_m(r.kernel, r.dims)
-            key = (r.kernel.name, json.dumps(p, sort_keys=True))
-            m = m_of(r.kernel, r.dims) // max(1, batch)
-            prev = out.get(key)
-            out[key] = (r.kernel, p, min(m, prev[2]) if prev else m)
-    return [out[k] for k in sorted(out)]
+    return _problems([record_draft_step(dcfg, arch, batch, ctx, ql, draft, mode) for ql in q_lens], batch)
 
 
 def draft_summary(dcfg: Any, arch: str, batch: int, ctx: int, q_len: int, gap: str, top: int, draft: Any,
