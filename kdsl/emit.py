@@ -216,7 +216,10 @@ class Emitter:
         self.w(f"{u} = ({u} + ({(1 << (drop - 1)) - 1} + (({u} >> {drop}) & 1))) & {0xFFFFFFFF ^ ((1 << drop) - 1)}")
         c = 1.5 * 2.0 ** (23 + emin - mbits)
         self.w(f"{sub} = (tl.abs({f}) + {c!r}) - {c!r}")
-        self.w(f"{sub} = tl.where({f} < 0, -{sub}, {sub})  # keep the sign of values that round to 0")
+        if dt.name.endswith("fnuz"):  # no negative zero there (its bit pattern is NaN): -tiny -> +0
+            self.w(f"{sub} = tl.where(({f} < 0) & ({sub} != 0), -{sub}, {sub})")
+        else:
+            self.w(f"{sub} = tl.where({f} < 0, -{sub}, {sub})  # keep the sign of values that round to 0")
         return (f"tl.where(tl.abs({f}) < {2.0 ** emin!r}, {sub}, {u}.to(tl.float32, bitcast=True))"
                 f".to({tl_type(dt)})")
 

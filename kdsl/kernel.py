@@ -126,7 +126,7 @@ class Kernel:
                 raise ConfigError(self.name, d, f"static dim {d!r} is not a dim of any parameter")
         self._specs: dict[Any, Specialization] = {}
         self._launchers: dict[tuple, Callable[[tuple], Specialization]] = {}
-        self._launch_key = _launch_key_fn(self.signature)
+        self._dispatch = _dispatch_fn(self)
         self._last: tuple[Any, Any] = (None, None)  # (key, launcher) of the last cached launch
         self._tunable_cache: dict[Any, dict[str, TunableSpec]] = {}
         if self.name in REGISTRY and REGISTRY[self.name].fn.__code__ is not fn.__code__:
@@ -425,20 +425,12 @@ class Kernel:
                  **kwargs: Any) -> Specialization:
         if record._ACTIVE:
             return self._record(record.active(), args, kwargs, config)
-        key = run = None
-        if LAUNCH_CACHE["enabled"]:
+        if kwargs:
             try:
-                if kwargs:
-                    args, kwargs = self._positional(args, kwargs), {}
-                key = self._launch_key(args, config, target)
-                last = self._last  # a kernel launched again with its last shapes: no hashing
-                run = last[1] if last[0] == key else self._launchers.get(key)
-            except Exception:  # not what a launch takes: the full path below says what is wrong
-                key = None
-        if run is not None:
-            self._last = (key, run)
-            return run(args)
-        return self._launch(args, kwargs, config, target, key)
+                args, kwargs = self._positional(args, kwargs), {}
+            except TypeError:  # not what a launch takes: the full path says what is wrong
+                return self._launch(args, kwargs, config, target, None)
+        return self._dispatch(args, config, target)
 
     def _positional(self, args: tuple, kwargs: dict) -> tuple:
         """All arguments in parameter order (an exception, i.e. the full path, when names do not fit)."""
@@ -491,28 +483,54 @@ class Kernel:
 
 
 LAUNCH_CACHE: dict[str, Any] = {"enabled": True, "max_entries": 512}
-"""Bound launchers per kernel, keyed by everything a launch checks (`Kernel._launch_key`): a repeated
+"""Bound launchers per kernel, keyed by everything a launch checks (`_key_parts`): a repeated
 launch with the same shapes, strides, dtypes, devices, dims and config skips binding, validation and
 the specialization lookup. `enabled` False: every launch takes the full path (bench.launch compares)."""
 
 
-def _launch_key_fn(sig: T.Signature) -> Callable[[tuple, Any, Any], tuple]:
-    """key(args, config, target): what a launch's binding, checks and specialization depend on
-    (the config, the target, each tensor's shape, strides, dtype and device, each Dim's value,
-    each scalar's type). Generated per kernel as one expression: no loop, no branches."""
-    names = [f"a{i}" for i in range(len(sig.order))]
+def _key_parts(sig: T.Signature, names: list[str]) -> list[str]:
+    """The launch key's terms, one expression each. A contiguous tensor's strides follow from its
+    shape except along size-1 dims, whose stride never scales a valid index (the only index there is
+    0), so `is_contiguous()` stands for them: cheaper than building the stride tuple."""
     parts = ["tuple(c.items()) if c else None", "t if t is None or t.__class__ is str else id(t)"]
     for n, pname in zip(names, sig.order):
         if pname in sig.operands:
-            parts += [f"{n}.shape", f"{n}.stride()", f"{n}.dtype", f"{n}.get_device()"]
+            parts += [f"{n}.shape", f"None if {n}.is_contiguous() else {n}.stride()", f"{n}.dtype",
+                      f"{n}.get_device()"]
         elif pname in sig.dim_params:
             parts += [f"{n}.__class__", n]
         else:
             parts.append(f"{n}.__class__")
-    unpack = f"    {', '.join(names)}, = a\n" if names else "    if a:\n        raise TypeError('arguments')\n"
-    ns: dict[str, Any] = {}
-    exec(f"def key(a, c, t):\n{unpack}    return ({', '.join(parts)},)\n", ns)
-    return ns["key"]
+    return parts
+
+
+def _dispatch_fn(kernel: "Kernel") -> Callable[[tuple, Any, Any], Specialization]:
+    """dispatch(args, config, target) for positional arguments: the launch key computed inline, the
+    last launcher (a decode step launches each kernel with the same shapes every time) or a cached one
+    called, anything else handed to the full path. Generated per kernel so that the common case is
+    one function with no attribute lookups beyond the key's own."""
+    names = [f"a{i}" for i in range(len(kernel.signature.order))]
+    unpack = f"        {', '.join(names)}, = a\n" if names else "        if a:\n            raise TypeError\n"
+    src = (
+        "def dispatch(a, c, t):\n"
+        "    if not CACHE['enabled']:\n"
+        "        return K._launch(a, {}, c, t, None)\n"
+        "    try:\n"
+        f"{unpack}"
+        f"        key = ({', '.join(_key_parts(kernel.signature, names))},)\n"
+        "    except Exception:\n"
+        "        return K._launch(a, {}, c, t, None)\n"
+        "    last = K._last\n"
+        "    if last[0] == key:\n"
+        "        return last[1](a)\n"
+        "    run = K._launchers.get(key)\n"
+        "    if run is None:\n"
+        "        return K._launch(a, {}, c, t, key)\n"
+        "    K._last = (key, run)\n"
+        "    return run(a)\n")
+    ns: dict[str, Any] = {"K": kernel, "CACHE": LAUNCH_CACHE}
+    exec(src, ns)
+    return ns["dispatch"]
 
 
 def _bound_launcher(kernel: "Kernel", key: tuple, sp: Specialization, grid: tuple[int, ...],
