@@ -101,3 +101,19 @@ def test_bench_launch_runs() -> None:
     x, y, out = _args()  # the stubbed compiled functions are gone again: launches run
     axpy(x, y, out, 1.0, 1)
     torch.testing.assert_close(out, x + y)
+
+
+def test_size_one_dims_share_a_launcher_and_stay_right() -> None:
+    """A contiguous tensor is keyed without its strides: two [1, N] tensors whose row strides differ
+    (irrelevant: row 0 is the only row) take one launcher, and each result reads its own data."""
+    axpy._launchers.clear()
+    big = torch.randn(8, 40)
+    x1 = big[:1, :20]                              # row stride 40
+    x2 = torch.randn(1, 20)                        # row stride 20
+    assert x1.is_contiguous() and x2.is_contiguous() and x1.stride() != x2.stride()
+    y = torch.randn(1, 20)
+    for x in (x1, x2, x1):
+        out = torch.full((1, 20), float("nan"))
+        axpy(x, y, out, 2.0, 1)
+        torch.testing.assert_close(out, x * 2 + y)
+    assert len(axpy._launchers) == 1
