@@ -144,9 +144,12 @@ class TraceContext:
         self.operands: dict[str, OperandHandle] = {}
         self.used_config: set[str] = set()
         self._names = itertools.count()
+        self.auto_names: set[str] = set()  # names `fresh` gave out: a user variable's name avoids them
 
     def fresh(self, hint: str) -> str:
-        return f"{hint}_{next(self._names)}"
+        name = f"{hint}_{next(self._names)}"
+        self.auto_names.add(name)
+        return name
 
     def add(self, op: str, args: list[Any], attrs: dict[str, Any], results: list[Value],
             loc: Loc | None = None) -> Node:
@@ -232,7 +235,7 @@ def name_from_locals(c: TraceContext, local_vars: dict[str, Any]) -> None:
         if base.rpartition("_")[2].isdigit():
             base += "_v"
         name, i = base, 1
-        while name in used:
+        while name in used or name in c.auto_names:
             i += 1
             name = f"{base}_{i}"
         used.add(name)

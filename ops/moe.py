@@ -10,7 +10,8 @@ Pipeline of `fused_moe` (backend="triton"):
 2. Per-token int8 quantization (W4A8 only): `ops.quant.quant_per_token_int8` (absmax/127, RNE), or
    none when the caller passes the rows pre-quantized (`fused_experts(..., xq=(x8, xs))`: the model's
    post-attention `ops.norm.rms_norm_quant` emits them with the normed rows).
-3. Expert align (`moe_align`, kdsl: `moe_align_blocks` then `moe_align_scatter`, nothing else): the
+3. Expert align (`moe_align`, kdsl: `moe_align_one` up to ALIGN_ONE_MAX_T rows (decode, verify: the
+   whole align in one program and one launch), above it `moe_align_blocks` then `moe_align_scatter`): the
    (token, k) rows sorted by expert (stable) into BLOCK_M-padded blocks, a block->expert map (-1 =
    unused block) and the sentinel row id T = M*top_k for padding. `moe_align_blocks` (one program)
    counts rows per expert by comparison against all ids, takes the exclusive prefix sum of the
@@ -330,15 +331,76 @@ def moe_align_scatter(ids: kd.In["T", kd.i32], pstart: kd.In["E", kd.i32], sorte
     sorted_ids.store(pstart[et] + rank, value=t, mask=(et >= 0) & (et < kd.dim("E")))
 
 
+# rows up to which moe_align runs as one program: decode and verify of up to 32 tokens (its row
+# ranks walk the rows in order, O(T x E) work in one program; the two-kernel path spreads it)
+ALIGN_ONE_MAX_T = 256
+
+
+@kd.kernel(static=("E", "BM"), example={"T": 8, "E": 384, "NB": 9, "BM": 16, "S": 144})
+def moe_align_one(ids: kd.In["T", kd.i32], block_expert: kd.Out["NB", kd.i32], sorted_ids: kd.Out["S", kd.i32],
+                  E: kd.Dim, BM: kd.Dim):
+    """Expert align in ONE launch for the few rows of a decode or verify step (one program): the
+    counts, padded starts and block map of moe_align_blocks, then every slot written once, the
+    padding slots with the sentinel T and the real ones with their row (row t goes to
+    start[ids[t]] + #{t' < t with the same expert}), so no two writes meet and no launch runs before
+    or after it. Same result as moe_align_blocks + moe_align_scatter."""
+    E, bm = kd.static("E"), kd.static("BM")
+    (e,) = kd.grid(kd.tile("E", block=_p2(E)))
+    T = kd.dim("T")
+    t_tiles = lambda label: kd.tiles("T", block="BLOCK_T", domain=(8, 16, 32, 64), default=8, label=label)  # noqa: E731
+
+    def raw_count(experts):
+        def body(t, n):
+            # lanes past E (the padded expert tile) count nothing: an id outside [0, E) is in no block
+            return n + kd.sum(kd.where((ids[t] == experts) & (t < T) & (experts < E), 1, 0), axis=t)
+        return kd.fold(t_tiles("t"), kd.zeros((experts,), kd.i32), body)
+
+    def prefix(c, acc):  # acc[e] += padded counts of the experts c < e in this chunk
+        return acc + kd.sum(kd.where(c < e, (raw_count(c) + (bm - 1)) // bm * bm, 0), axis=c)
+
+    start = kd.fold(kd.tiles("E", block=ALIGN_CHUNK, label="c"), kd.zeros((e,), kd.i32), prefix)
+    count = raw_count(e)
+    end = start + (count + (bm - 1)) // bm * bm
+    total = kd.sum(end - start, axis=e)
+
+    def blocks(b):
+        bs = b * bm
+        used = kd.sum(kd.where(end <= bs, 1, 0), axis=e)  # experts whose blocks end before block b
+        block_expert[b] = kd.where(bs < total, used, -1)
+
+    kd.fold(kd.tiles("NB", block="BLOCK_B", domain=(8, 16, 32, 64), default=16), None, blocks)
+
+    def pad(j):  # each expert's padding: slots start + count + j for j < padded - count (< BM of them)
+        sorted_ids.store(start + count + j, value=kd.zeros((e, j), kd.i32) + T, mask=j < end - start - count)
+
+    kd.fold(kd.tiles(stop=bm, block=min(bm, 8), label="j"), None, pad)
+
+    def tail(r):  # the slots past the used blocks
+        sorted_ids.store(r, value=kd.zeros((r,), kd.i32) + T, mask=r >= total)
+
+    kd.fold(kd.tiles("S", block="BLOCK_S", domain=(64, 128, 256, 512), default=256, label="r"), None, tail)
+
+    def scatter(t, seen):  # seen[e]: rows of expert e in the tiles before this one
+        et = ids[t]
+        u = kd.span(t.start, t.size, T, label="u")  # the same rows on a second axis
+        within = kd.sum(kd.where((ids[u] == et) & (u < t), 1, 0), axis=u)
+        first = kd.sum(kd.where(e == et, start + seen, 0), axis=e)  # start[ids[t]] + seen[ids[t]]
+        sorted_ids.store(first + within, value=t, mask=(et >= 0) & (et < E))
+        return seen + kd.sum(kd.where((et == e) & (t < T), 1, 0), axis=t)
+
+    kd.fold(t_tiles("t"), kd.zeros((e,), kd.i32), scatter)
+
+
 def moe_align(ids: torch.Tensor, n_experts: int, block_m: int, backend: str = "triton", check: bool = True,
               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the (token, k) rows by expert into block_m-padded blocks.
 
     Returns sorted_ids int32 [NB*block_m] (row id t*top_k+k, or the sentinel T=M*top_k for padding)
     and block_expert int32 [NB] (-1 for blocks past the used ones), NB = cdiv(T, block_m) + min(E, T).
-    backend="triton": two kdsl kernels, moe_align_blocks (counts, block map, sentinel fill) then
-    moe_align_scatter, nothing else launched for int32 ids; `config` may hold their configs under
-    "align_blocks" / "align_scatter" (else tuned, keyed by E (and BLOCK_M), M = T rows);
+    backend="triton": for T <= ALIGN_ONE_MAX_T rows (decode and verify) one kdsl kernel,
+    moe_align_one; above it two, moe_align_blocks (counts, block map, sentinel fill) then
+    moe_align_scatter; nothing else launched for int32 ids. `config` may hold their configs under
+    "align_one" / "align_blocks" / "align_scatter" (else tuned, keyed by E (and BLOCK_M), M = T rows);
     "torch": the same result with torch ops (bincount, stable argsort)."""
     _check_backend(backend)
     check_tensor("moe_align", "ids", ids, None, (torch.int32, torch.int64))
@@ -353,10 +415,14 @@ def moe_align(ids: torch.Tensor, n_experts: int, block_m: int, backend: str = "t
         # int32 ids (what `route` gives) are read in place: no conversion launch
         flat32 = ids.reshape(-1) if ids.dtype == torch.int32 and ids.is_contiguous() else \
             ids.reshape(-1).to(torch.int32).contiguous()
-        pstart = torch.empty(n_experts, dtype=torch.int32, device=ids.device)
         bexp = torch.empty(nb, dtype=torch.int32, device=ids.device)
-        sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)  # filled by moe_align_blocks
+        sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)  # every slot written below
         config = config or {}
+        if T <= ALIGN_ONE_MAX_T:
+            c1 = config_for(moe_align_one, {"E": n_experts, "BM": block_m}, T, config.get("align_one"))
+            moe_align_one(flat32, bexp, sorted_ids, n_experts, block_m, config=c1)
+            return sorted_ids, bexp
+        pstart = torch.empty(n_experts, dtype=torch.int32, device=ids.device)
         cb = config_for(moe_align_blocks, {"E": n_experts, "BM": block_m}, T, config.get("align_blocks"))
         cs = config_for(moe_align_scatter, {"E": n_experts}, T, config.get("align_scatter"))
         moe_align_blocks(flat32, pstart, bexp, sorted_ids, block_m, config=cb)

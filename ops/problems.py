@@ -349,6 +349,10 @@ MODELS += [
                  loop_block=None, bytes_fn=lambda p, m: m * 4 + p["E"] * 4 + _align_nb(p, m) * (1 + p["BM"]) * 4,
                  flops_fn=lambda p, m: 0.0,
                  derived=lambda p, m, c: {"NB": _align_nb(p, m), "S": _align_nb(p, m) * p["BM"]}),
+    ProblemModel("moe_align_one", ("E", "BM"), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None,
+                 loop_block=None, bytes_fn=lambda p, m: m * 4 + _align_nb(p, m) * (1 + p["BM"]) * 4,
+                 flops_fn=lambda p, m: 0.0,
+                 derived=lambda p, m, c: {"NB": _align_nb(p, m), "S": _align_nb(p, m) * p["BM"]}),
     ProblemModel("moe_align_scatter", ("E",), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None,
                  loop_block=None, bytes_fn=lambda p, m: m * 8 + p["E"] * 4, flops_fn=lambda p, m: 0.0),
     # KV appends: each new token's row read and written once (the cache size is not traffic: the key

@@ -241,3 +241,45 @@ def test_align_ids_in_the_expert_tile_padding_are_in_no_block():
     tsid, tbexp = moe.moe_align(ids, E, 16, backend="torch", check=False)
     assert torch.equal(sid, tsid) and torch.equal(bexp, tbexp)
     assert not ((sid == 4) | (sid == 6)).any() and (bexp < E).all()
+
+
+@pytest.mark.parametrize("T,E,bm", [(8, 384, 16), (13, 8, 16), (40, 16, 32), (3, 64, 64), (32, 48, 16)])
+def test_align_one_launch_equals_the_two_kernel_path(T, E, bm):
+    """moe_align_one (decode and verify: one launch) writes every slot of poisoned outputs and gives
+    the arrays of moe_align_blocks + moe_align_scatter and of the torch backend, ids outside [0, E)
+    (another rank's expert as -1, garbage) included; nothing is written outside its outputs."""
+    g = torch.Generator().manual_seed(T * E + bm)
+    ids = torch.randint(0, E, (T,), generator=g, dtype=torch.int32)
+    ids[::5] = torch.tensor([-1, E, 2**30, -2**31], dtype=torch.int32).repeat(T)[: ids[::5].numel()]
+    nb = -(-T // bm) + min(E, T)
+    pad = 64
+    bbuf = torch.full((nb + 2 * pad,), -777, dtype=torch.int32)
+    sbuf = torch.full((nb * bm + 2 * pad,), -777, dtype=torch.int32)
+    bexp, sid = bbuf[pad:pad + nb], sbuf[pad:pad + nb * bm]
+    moe.moe_align_one(ids, bexp, sid, E, bm)
+    assert (bbuf[:pad] == -777).all() and (bbuf[pad + nb:] == -777).all()
+    assert (sbuf[:pad] == -777).all() and (sbuf[pad + nb * bm:] == -777).all()
+    pstart, bexp2, sid2 = (poisoned((n,), torch.int32) for n in (E, nb, nb * bm))
+    moe.moe_align_blocks(ids, pstart, bexp2, sid2, bm)
+    moe.moe_align_scatter(ids, pstart, sid2)
+    tsid, tbexp = moe.moe_align(ids.view(1, T), E, bm, backend="torch", check=False)
+    assert torch.equal(sid, sid2) and torch.equal(bexp, bexp2)
+    assert torch.equal(sid, tsid) and torch.equal(bexp, tbexp)
+
+
+def test_align_takes_one_launch_up_to_its_row_limit(monkeypatch):
+    """moe_align launches moe_align_one up to ALIGN_ONE_MAX_T rows and the two kernels above it,
+    with the same result."""
+    import kdsl as kd
+
+    ids = torch.randint(0, 16, (3, 4), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    with kd.recording("gfx942") as rec:
+        moe.moe_align(ids, 16, 16, check=False)
+    assert [r.kernel.name for r in rec.launches] == ["moe_align_one"]
+    one = moe.moe_align(ids, 16, 16)
+    monkeypatch.setattr(moe, "ALIGN_ONE_MAX_T", 11)
+    with kd.recording("gfx942") as rec:
+        moe.moe_align(ids, 16, 16, check=False)
+    assert [r.kernel.name for r in rec.launches] == ["moe_align_blocks", "moe_align_scatter"]
+    two = moe.moe_align(ids, 16, 16)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))

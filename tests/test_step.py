@@ -329,7 +329,7 @@ def test_bench_step_json_and_plot(monkeypatch, capsys, tmp_path):
         assert s["launches_per_layer"]["moe"]["kdsl"] >= 15 and len(s["top"]) == 10
         assert all(f["why"] in ("fallback", "no lookup") for f in s["fallbacks"])
         # the MoE half looks up and finds tuned configs for every launch (align kernels included)
-        assert not {"moe_align_blocks", "moe_align_scatter", "moe_combine_norm", "rmsnorm_add_quant",
+        assert not {"moe_align_one", "moe_combine_norm", "rmsnorm_add_quant",
                     "gemm_bf16_silu_mul"} & {f["name"] for f in s["fallbacks"]}
     if "--plot" in argv:
         assert png.stat().st_size > 10000
@@ -343,7 +343,7 @@ def test_tune_model_dry_run_lists_the_step_problems(capsys):
     # N2=4096: the shared expert's gate|up GEMM with SiLU*up; N=2112: q_a|kv_a as one GEMM
     for want in ("gemm_bf16_silu_mul N2=4096,K=7168", "gemm_bf16 N=2112,K=7168",
                  "mla_decode_split QL=1,H=64,DL=512,DR=64,PS=64", "moe_stage1_w4a8 E=384,K=7168,I=2048,TOPK=8",
-                 "rmsnorm_add_quant D=7168", "moe_combine_norm D=7168,TOPK=8", "moe_align_blocks E=384,BM=16",
+                 "rmsnorm_add_quant D=7168", "moe_combine_norm D=7168,TOPK=8", "moe_align_one E=384,BM=16",
                  "gemm_bf16 N=163840,K=7168"):
         assert want in out
 
