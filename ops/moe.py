@@ -52,6 +52,10 @@ The model's decode step (`models.kimi._MoE.fused_block`) runs the same stages wi
 partial rows summed in k order (ids outside [0, E) count 0), + the shared expert (f32), rounded to
 bf16, added into the residual stream in place (bf16) and RMSNorm-ed with the next layer's input
 norm (or the final norm): the roundings of `moe_sum` + add + cast + `rmsnorm_add`, one launch.
+At world size > 1 the layer ends with `combine_rank` (kernel `moe_combine_rank`: the rank's top-k sum
++ shared, bf16, the all-reduce payload) and the next norm runs after the all-reduce; an expert-parallel
+rank routes with `route(..., local=(first, count))` (kernel `moe_route_local`: local ids, -1 for other
+ranks' experts, straight from the router).
 
 Weight formats (`MoEWeights.fmt`):
 - "w4a8":  w13 int32 [E, 2I, H/8] Quark reorder packing (gate rows then up rows), s13 f32 [E, 2I];
