@@ -16,7 +16,8 @@ besides the kernels. Then every launch is costed:
 * with --tp N > 1 the model is rank 0 of the real tensor-parallel model (models.parallel: MLA by
   heads, experts "ep" or "tp", vocab-parallel lm_head); each collective its forward calls (two
   all-reduces per layer, the logits' all-gather) is costed as latency + ring bytes / link bandwidth
-  (`ALLREDUCE`, stated assumptions).
+  (`ALLREDUCE`, stated assumptions); with experts "ep" the rank's MoE stages cost its expected share
+  of the routed rows (`EP_ROUTING`: uniform routing, the mean rank).
 
 Predicted step = sum of predicted launch times + gaps (+ all-reduces); floor = sum of floors.
 `--layers N` records N layers and scales the MoE layers' items to the config's layer count.
@@ -46,6 +47,11 @@ from bench.meta_model import EXPERT_FORMATS, KIMI_K25_CONFIG, HostShadowMode, bu
 # Stated assumptions: RCCL/NCCL small-message collective ~10 us on 8 GPUs over XGMI (MI300X/MI355X)
 # or NVLink (H100); ring traffic 2 (N-1)/N x bytes at the effective per-GPU bandwidth.
 ALLREDUCE = {"gfx942": (10.0, 300.0), "gfx950": (10.0, 400.0), "sm90": (8.0, 350.0)}
+# Expert parallel (--moe-parallel ep): what rank 0's MoE stages are costed for.
+EP_ROUTING = ("uniform routing, mean rank: each token's TOPK experts land on a rank in proportion to the "
+              "experts it holds (E/N of E), so the rank computes TOPK/N rows per token on average and touches "
+              "E/N x (1 - (1 - TOPK/E)^M) of its experts; the most loaded rank of a real batch does more. "
+              "MXFP4 experts compute every row (other ranks' experts weigh 0) and are costed so.")
 REPORT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "kdsl", "step_reports.json")
 
 
@@ -225,8 +231,10 @@ def _layer_of(launch_layers: list[int | None], i: int) -> int | None:
 
 def cost_step(rec: StepRecord, cfg: Any, arch: str, ctx: int, gap: str = "graph", tp: int = 1,
               full_layers: int | None = None, launch_layers: list[int | None] | None = None,
-              workers: int | None = None, log: Any = None) -> list[Item]:
-    """Predicted and floor time of every launch of the recorded step (see module docstring)."""
+              workers: int | None = None, log: Any = None, ep_experts: int | None = None) -> list[Item]:
+    """Predicted and floor time of every launch of the recorded step (see module docstring).
+    `ep_experts`: an expert-parallel rank (the routed experts of all ranks together): its MoE
+    stages and combine are costed for the rank's expected share of the routed rows (EP_ROUTING)."""
     from autotune import costmodel
     from autotune.problems import key_dims, m_of
     from autotune.search import score
@@ -249,6 +257,8 @@ def cost_step(rec: StepRecord, cfg: Any, arch: str, ctx: int, gap: str = "graph"
         prob = dict(r.dims)
         if "PS" in prob:  # paged decode attention: the context sets its bytes and split count
             prob["CTX"] = ctx + rec.q_len
+        if ep_experts and "TOPK" in prob and "E" in prob and "mxfp4" not in k.name:
+            prob["EALL"] = ep_experts  # ops.problems.routed_share: E / EALL of each token's experts
         m = m_of(k, r.dims)
         rep = reports[_report_key(r, arch)]
         try:
@@ -523,6 +533,11 @@ def main(argv: list[str] | None = None) -> int:
                            "steps": []}
     if a.model != "target":
         doc.update(model=a.model, draft_config=a.draft_config, draft_steps=a.draft_steps)
+    ep = full.n_routed_experts if a.tp > 1 and a.moe_parallel == "ep" else None
+    if ep:
+        doc["assumptions"]["expert_parallel_routing"] = EP_ROUTING
+        if not a.json and a.model != "draft":
+            print(f"expert parallel: {EP_ROUTING}")
     plots = []
     for fmt in (a.fmts if a.model != "draft" else []):
         mode = HostShadowMode()
@@ -533,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
             for ql in a.qls:
                 rec = record_step(cfg, fmt, arch, a.batch, a.ctx, ql, model, mode)
                 items = cost_step(rec, cfg, arch, a.ctx, a.gap, a.tp, full.num_hidden_layers,
-                                  launch_layers(rec), a.workers, log)
+                                  launch_layers(rec), a.workers, log, ep_experts=ep)
                 s = summarize(items, rec, cfg, full.num_hidden_layers, a.top)
                 head = f"{arch} {fmt} batch {a.batch} ctx {a.ctx} tp {a.tp}"
                 if not a.json:

@@ -105,7 +105,8 @@ class _MoE:
         E = cfg.n_routed_experts
         self.bias = (torch.zeros(E) if self.bias is None else self.bias.float()).to(device)
         comm = getattr(owner, "comm", None)                 # parallel: this rank's experts (all at world 1)
-        self.local = comm.plan.expert_range(E) if comm is not None else range(E)
+        self.comm: Comm = comm if comm is not None else single()
+        self.local = self.comm.plan.expert_range(E)
         self.shared: Optional[MLP] = None
         if cfg.n_shared_experts:
             s = p + "shared_experts."
@@ -167,27 +168,32 @@ class _MoE:
     def _routed_ids(self, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Triton routing (or replayed ids): int32 ids in this rank's local expert numbering and f32
         weights. Expert parallel: an id of another rank's expert becomes -1, which the align kernels
-        and the top-k sums treat as a no-op (no block, a partial row never read); MXFP4 experts get a
-        clamped id with weight 0 instead."""
-        from ops.moe import route
+        and the top-k sums treat as a no-op (no block, a partial row never read); the route kernel
+        emits those local ids itself (`route(..., local=...)`, no extra launch) unless the ids are
+        replayed or recorded (global ids, mapped here). MXFP4 experts get a clamped id with weight
+        0 instead."""
+        from ops.moe import MoEWeights, local_ids, route
 
         c = self.moe_cfg
         forced = self._replayed(xb)
+        split = len(self.local) != self.cfg.n_routed_experts
+        trace = self.owner.routing if self.owner is not None else None
+        in_kernel = (split and forced is None and isinstance(self.experts, MoEWeights)
+                     and (trace is None or trace.mode != "record"))
         if forced is None:
             ids, w = route(xb, self.gate, self.bias, c.top_k, c.n_group, c.topk_group, c.norm_topk_prob,
-                           c.routed_scaling_factor, backend="triton", scoring_func=self.cfg.scoring_func)
+                           c.routed_scaling_factor, backend="triton", scoring_func=self.cfg.scoring_func,
+                           local=(self.local.start, len(self.local)) if in_kernel else None)
         else:
             ids, w = self.route(xb, forced)
-        self._record(ids)
-        if len(self.local) != self.cfg.n_routed_experts:
-            from ops.moe import MoEWeights
-
-            loc = ids - self.local.start
-            mine = (loc >= 0) & (loc < len(self.local))
+        if not in_kernel:
+            self._record(ids)
+        if split and not in_kernel:
             if isinstance(self.experts, MoEWeights):
-                ids = torch.where(mine, loc, torch.full_like(loc, -1))
+                ids = local_ids(ids, self.local.start, len(self.local))
             else:                                     # MXFP4 sums every partial row: other ranks' experts weigh 0
-                w = w * mine
+                loc = ids - self.local.start
+                w = w * ((loc >= 0) & (loc < len(self.local)))
                 ids = loc.clamp(0, len(self.local) - 1)
         if ids.dtype != torch.int32:                  # route gives int32 already; replayed ids do not
             ids = ids.to(torch.int32)
@@ -197,14 +203,16 @@ class _MoE:
 
     def fused_block(self, a: torch.Tensor, h: torch.Tensor, n2: RMSNorm, nxt: RMSNorm
                     ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """The MoE half of a decoder layer on triton at world size 1, from the attention output `a`
-        and the residual stream `h` (updated IN PLACE) to (the next norm's output, h):
+        """The MoE half of a decoder layer on triton, from the (all-reduced) attention output `a` and
+        the residual stream `h` (updated IN PLACE) to (the next norm's output, h):
         rmsnorm_add(_quant) -> gate GEMM, route -> align -> stage 1 -> stage 2 (partial rows) ->
-        shared expert (gate|up GEMM with SiLU*up, down) -> combine_norm (top-k sum in k order +
-        shared + residual add + the next RMSNorm). For W4A8 experts the post-attention norm emits
-        the per-token int8 activations stage 1 reads (no quant launch). None when this layer's
-        experts take another path (MXFP4)."""
-        from ops.moe import MoEWeights, combine_norm, fused_experts
+        shared expert (gate|up GEMM with SiLU*up, down) -> at world size 1 combine_norm (top-k sum
+        in k order + shared + residual add + the next RMSNorm); at world size > 1 combine_rank (the
+        rank's top-k sum + shared, bf16), the all-reduce, then the next norm's rmsnorm_add with the
+        residual in place. For W4A8 experts the post-attention norm emits the per-token int8
+        activations stage 1 reads (no quant launch). None when this layer's experts take another
+        path (MXFP4)."""
+        from ops.moe import MoEWeights, combine_norm, combine_rank, fused_experts
 
         if self.backend != "triton" or not isinstance(self.experts, MoEWeights) or h.dtype != torch.bfloat16 \
                 or not h.is_contiguous():
@@ -218,8 +226,11 @@ class _MoE:
         ids, w = self._routed_ids(x)
         part = fused_experts(x, ids, w, self.experts, backend="triton", check_ids=False, xq=xq, partials=True)
         s = self.shared(x) if self.shared is not None else None
-        y = combine_norm(part, ids, s, h, nxt.w, nxt.eps, len(self.local), backend="triton")
-        return y, h
+        if self.comm.world == 1:
+            y = combine_norm(part, ids, s, h, nxt.w, nxt.eps, len(self.local), backend="triton")
+            return y, h
+        mine = combine_rank(part, ids, s, len(self.local), backend="triton")
+        return nxt.add_norm(self.comm.all_reduce(mine), h, inplace=True)     # aux captures see full sums
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton":
@@ -468,7 +479,7 @@ class KimiModel:
         N = self.cfg.num_hidden_layers
         caps: dict[int, torch.Tensor] = {}
         x = self.layers[0][0](h) if N else self.norm(h)
-        fuse = self.backend == "triton" and self.comm.world == 1
+        fuse = self.backend == "triton"                     # the triton norms update h in place
         for i, (n1, attn, n2, mlp) in enumerate(self.layers):
             if i in self.capture_ids:                         # the residual stream entering layer i
                 caps[i] = h.clone() if fuse else h            # (the triton norms update h in place)

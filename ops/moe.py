@@ -53,6 +53,10 @@ The model's decode step (`models.kimi._MoE.fused_block`) runs the same stages wi
 partial rows summed in k order (ids outside [0, E) count 0), + the shared expert (f32), rounded to
 bf16, added into the residual stream in place (bf16) and RMSNorm-ed with the next layer's input
 norm (or the final norm): the roundings of `moe_sum` + add + cast + `rmsnorm_add`, one launch.
+At world size > 1 the layer ends with `combine_rank` (kernel `moe_combine_rank`: the rank's top-k sum
++ shared, bf16, the all-reduce payload) and the next norm runs after the all-reduce; an expert-parallel
+rank routes with `route(..., local=(first, count))` (kernel `moe_route_local`: local ids, -1 for other
+ranks' experts, straight from the router).
 
 Weight formats (`MoEWeights.fmt`):
 - "w4a8":  w13 int32 [E, 2I, H/8] Quark reorder packing (gate rows then up rows), s13 f32 [E, 2I];
@@ -176,6 +180,30 @@ def moe_route(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", kd.f32]
         wts[m, i] = weights[i] * mult
 
 
+class _LocalIds:
+    """The ids operand of `moe_route` seen through one rank's expert range [lo, lo + n): a stored
+    global id becomes its local id, or -1 for another rank's expert (expert parallel)."""
+
+    def __init__(self, ids, lo, n):
+        self.ids, self.lo, self.n = ids, lo, n
+
+    def __setitem__(self, key, v):
+        loc = v - self.lo
+        self.ids[key] = kd.where((loc >= 0) & (loc < self.n), loc, -1)
+
+
+@kd.kernel(static=("E", "TOPK", "NG", "TOPKG", "NORM", "SPLIT", "SOFTMAX"),
+           example={"M": 1, "E": 384, "TOPK": 8, "NG": 1, "TOPKG": 1, "NORM": 1, "SPLIT": 14, "SOFTMAX": 0})
+def moe_route_local(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", kd.f32],
+                    ids: kd.Out["M", "TOPK", kd.i32], wts: kd.Out["M", "TOPK", kd.f32],
+                    NG: kd.Dim, TOPKG: kd.Dim, NORM: kd.Dim, SOFTMAX: kd.Dim, scale: kd.Scalar[kd.f32],
+                    lo: kd.Scalar[kd.i32], n: kd.Scalar[kd.i32]):
+    """`moe_route` for an expert-parallel rank holding experts [lo, lo + n): the same choice and
+    weights over all E experts, each id stored as id - lo, or -1 when another rank holds it (the
+    align kernels and the top-k sums skip -1). Every stored id is in [-1, n)."""
+    moe_route.fn(logits, bias, _LocalIds(ids, lo, n), wts, NG, TOPKG, NORM, SOFTMAX, scale)
+
+
 def _pick(sel: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest per row, ties (-inf included) to the lowest index: a stable sort."""
     return torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :k]
@@ -206,7 +234,7 @@ def moe_route_ref(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: 
 def route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int = 1,
           topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
           backend: str = "triton", config: dict | None = None, scoring_func: str = "sigmoid",
-          invariant: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+          invariant: bool = True, local: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert ids and combine weights per token (noaux_tc). `config`: {"gate": {...}, "route": {...}}.
 
     Guarantee: every id is in [0, E) and a token's ids are distinct, whatever the input (NaN or
@@ -215,7 +243,11 @@ def route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_g
     check_ids=False)`). `scoring_func`: "sigmoid" (DeepSeek-V3 / Kimi) or "softmax" (scores are
     the softmax over all experts; selection and weights as for sigmoid). `invariant` (default):
     the gate GEMM's tiles come from the M=1 config so a token's logits do not depend on the batch
-    (the split over H is fixed by H alone). No device read on either backend's launch path."""
+    (the split over H is fixed by H alone). No device read on either backend's launch path.
+    `local` = (first, count): an expert-parallel rank's experts [first, first + count): the choice
+    and weights are over all E experts as without it, but each id comes out as id - first, or -1
+    for another rank's expert (`moe_route_local`; the align kernels and top-k sums skip -1), so
+    the ranks' routed outputs still sum to the whole."""
     check_backend("route", backend)
     check_tensor("route", "x", x, 2, (torch.bfloat16, torch.float16, torch.float32))
     M, H = x.shape
@@ -241,9 +273,14 @@ def route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_g
                          f"got n_experts={E}, n_group={n_group}")
     if scoring_func not in SCORING:
         raise ValueError(f"route: scoring_func must be one of {sorted(SCORING)}, got {scoring_func!r}")
+    if local is not None:
+        lo, n = local
+        if not (isinstance(lo, int) and isinstance(n, int) and 0 <= lo and 1 <= n and lo + n <= E):
+            raise ValueError(f"route: local expert range (first, count) must lie in [0, n_experts={E}), got {local}")
     if backend == "torch":
-        return moe_route_ref(x, wg, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
-                             scoring_func)
+        ids, w = moe_route_ref(x, wg, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+                               scoring_func)
+        return (ids, w) if local is None else (local_ids(ids, *local), w)
     ids = torch.empty(M, top_k, dtype=torch.int32, device=x.device)
     wts = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
     if M == 0:
@@ -260,9 +297,21 @@ def route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_g
     moe_gate_gemm(xb, wb, part, config=cfg_g)
     cfg = config_for(moe_route, {"E": E, "TOPK": top_k}, M, config.get("route"))
     bf = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
-    moe_route(part, bf, ids, wts, n_group, topk_group, int(bool(norm_topk_prob)), SCORING[scoring_func],
-              float(routed_scaling_factor), config=cfg)
+    args = (part, bf, ids, wts, n_group, topk_group, int(bool(norm_topk_prob)), SCORING[scoring_func],
+            float(routed_scaling_factor))
+    if local is None:
+        moe_route(*args, config=cfg)
+    else:
+        cfg = config_for(moe_route_local, {"E": E, "TOPK": top_k}, M, config.get("route"))
+        moe_route_local(*args, int(local[0]), int(local[1]), config=cfg)
     return ids, wts
+
+
+def local_ids(ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Global expert ids -> one rank's local ids (id - first), -1 outside [first, first + count):
+    the torch form of `moe_route_local`'s ids (reference and replayed routing)."""
+    loc = ids - first
+    return torch.where((loc >= 0) & (loc < count), loc, torch.full_like(loc, -1)).to(torch.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -850,6 +899,62 @@ def combine_norm(partial: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor 
     if M:
         moe_combine_norm(partial, ids.reshape(-1), res if shared is None else shared, res, weight, out, K, n_experts,
                          int(shared is not None), float(eps), config=cfg)
+    return out
+
+
+@kd.kernel(static=("TOPK", "E", "SH"), example={"M": 1, "D": KIMI["H"], "TOPK": 8, "P": 8, "E": KIMI["E"], "SH": 1})
+def moe_combine_rank(partial: kd.In["P", "D", kd.f32], ids: kd.In["P", kd.i32], shared: kd.In["M", "D", kd.bf16],
+                     out: kd.Out["M", "D", kd.bf16], TOPK: kd.Dim, E: kd.Dim, SH: kd.Dim):
+    """A tensor / expert parallel rank's share of a MoE layer, the all-reduce payload:
+    out = bf16(sum of the top-k partial rows in k order (ids outside [0, E) count 0) + shared (SH=1)).
+    The roundings of `moe_sum_ids`, the f32 shared add and the cast to bf16; the residual add and
+    the next norm wait for the sum over the ranks (`rmsnorm_add` after the all-reduce)."""
+    (m, n) = kd.grid(kd.each("M"), kd.tile("D", "BLOCK_N", domain=(64, 128, 256, 512, 1024), default=256))
+    acc = _topk_rows(partial, ids, m, n)
+    if kd.static("SH"):
+        acc = acc + shared[m, n].to(kd.f32)
+    out[m, n] = acc.to(kd.bf16)
+
+
+def moe_combine_rank_ref(partial: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None,
+                         n_experts: int) -> torch.Tensor:
+    """Torch reference of `moe_combine_rank`: bf16 [M, D]."""
+    M = ids.shape[0]
+    K = ids.shape[1]
+    ok = (ids >= 0) & (ids < n_experts)
+    p = partial.reshape(M, K, -1)
+    acc = torch.where(ok[:, 0, None], p[:, 0], torch.zeros_like(p[:, 0]))
+    for j in range(1, K):
+        acc = acc + torch.where(ok[:, j, None], p[:, j], torch.zeros_like(p[:, j]))
+    if shared is not None:
+        acc = acc + shared.float()
+    return acc.to(torch.bfloat16)
+
+
+def combine_rank(partial: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None, n_experts: int,
+                 backend: str = "triton", config: dict | None = None) -> torch.Tensor:
+    """One rank's MoE output before the all-reduce, in one launch: routed partials [M*top_k, H] f32
+    (`fused_experts(..., partials=True)`) summed in k order + shared [M, H] bf16 (or None), as bf16
+    [M, H]. Ids outside [0, n_experts) (another rank's expert: -1) add nothing. No device read."""
+    check_backend("combine_rank", backend)
+    check_tensor("combine_rank", "ids", ids, 2, (torch.int32,), None, contiguous=True)
+    M, K = ids.shape
+    dev = ids.device
+    check_tensor("combine_rank", "partial", partial, 2, (torch.float32,), dev, contiguous=True)
+    H = partial.shape[1]
+    if partial.shape[0] != M * K:
+        raise ValueError(f"combine_rank: partial must be [M*top_k={M * K}, H], got {tuple(partial.shape)}")
+    if shared is not None:
+        check_tensor("combine_rank", "shared", shared, 2, (torch.bfloat16,), dev, contiguous=True)
+        if tuple(shared.shape) != (M, H):
+            raise ValueError(f"combine_rank: shared must be [{M}, {H}], got {tuple(shared.shape)}")
+    if backend == "torch":
+        return moe_combine_rank_ref(partial, ids, shared, n_experts)
+    out = torch.empty(M, H, dtype=torch.bfloat16, device=dev)
+    cfg = config_for(moe_combine_rank, {"D": H, "TOPK": K}, M, config)
+    if M:
+        moe_combine_rank(partial, ids.reshape(-1), out if shared is None else shared, out, K, n_experts,
+                         int(shared is not None), config=cfg)
     return out
 
 

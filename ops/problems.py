@@ -43,20 +43,39 @@ def _quant_flops(p: Problem, m: int) -> float:
 
 # ---- fused MoE: keyed on the expert shapes; M only sets how many experts and blocks are touched
 
+def routed_share(p: Problem) -> float:
+    """The expected share of a token's TOPK experts that this launch's E experts hold: E / EALL,
+    where the model-only dim EALL (bench.step sets it for an expert-parallel rank: every rank's
+    experts together) is absent otherwise (share 1). Assumes uniform routing and costs the mean
+    rank: a token's experts land on the ranks in proportion to the experts they hold."""
+    return p["E"] / p["EALL"] if "EALL" in p and "E" in p else 1.0
+
+
+def routed_rows(p: Problem, m: int) -> float:
+    """Expected (token, k) rows of m tokens whose expert this launch holds: m x TOPK x share."""
+    return m * p["TOPK"] * routed_share(p)
+
+
 def experts_touched(p: Problem, m: int) -> float:
-    """Expected distinct experts hit by m tokens routing to TOPK distinct experts each, uniformly
-    (exact at m=1: TOPK); only their weights are read."""
-    e, k = p["E"], p["TOPK"]
-    return e * (1.0 - (1.0 - k / e) ** m)
+    """Expected distinct experts (of this launch's E) hit by m tokens routing to TOPK distinct
+    experts each out of EALL (default E), uniformly (exact at m=1 without EP: TOPK); only their
+    weights are read."""
+    e = p["E"]
+    return e * (1.0 - (1.0 - p["TOPK"] / p.get("EALL", e)) ** m)
 
 
 def _moe_blocks(p: Problem, m: int, c: dict[str, Any]) -> Problem:
     """The aligned-block dims `fused_experts` launches with: worst-case block count
-    cdiv(T, BLOCK_M) + min(E, T) (unused blocks exit at once), S = NB * BLOCK_M rows."""
+    cdiv(T, BLOCK_M) + min(E, T) (unused blocks exit at once), S = NB * BLOCK_M rows; under expert
+    parallelism (EALL) NB is the expected count of blocks that hold rows."""
     bm = int(c.get("BLOCK_M", 16))
     t = m * p["TOPK"]
     nb = -(-t // bm) + min(p["E"], t)
-    return {"T": t, "NB": nb, "S": nb * bm}
+    out = {"T": t, "NB": nb, "S": nb * bm}
+    if "EALL" in p:  # an expert-parallel rank: the programs are the blocks its expected rows fill (the
+        # other blocks exit at once); without EP the worst case is charged, as launched
+        out["NB"] = min(nb, max(1, math.ceil(experts_touched(p, m) + routed_rows(p, m) / bm)))
+    return out
 
 
 def _moe_stage1_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
@@ -91,7 +110,7 @@ def _moe_q(stage: int) -> tuple[Callable, Callable]:
     nbytes0, flops = _moe(stage, 0.5, 1, False)
 
     def nbytes(p: Problem, m: int) -> float:
-        t = m * p["TOPK"]
+        t = routed_rows(p, m)
         inter = t * p["I"] * (1 + 4 / 64)
         if stage == 1:
             return nbytes0(p, m) - t * p["I"] * 2 + inter
@@ -102,13 +121,14 @@ def _moe_q(stage: int) -> tuple[Callable, Callable]:
 
 def _moe(stage: int, wbytes: float, abytes: float, group_scales: bool) -> tuple[Callable, Callable]:
     """(bytes, flops) of one MoE stage: touched experts' weights and scales, activations in, the
-    bf16 intermediate (stage 1) or the f32 [M, H] output (stage 2)."""
+    bf16 intermediate (stage 1) or the f32 [M, H] output (stage 2); rows and flops are the routed
+    rows this launch's experts get (`routed_rows`: all of them without expert parallelism)."""
     def dims(p: Problem) -> tuple[int, int]:
         return (2 * p["I"], p["K"]) if stage == 1 else (p["H"], p["I"])
 
     def nbytes(p: Problem, m: int) -> float:
         n, k = dims(p)
-        t = m * p["TOPK"]
+        t = routed_rows(p, m)
         scales = n * (k // 32) * 2 if group_scales else n * 4
         w = experts_touched(p, m) * (n * k * wbytes + scales)
         if stage == 1:
@@ -117,7 +137,7 @@ def _moe(stage: int, wbytes: float, abytes: float, group_scales: bool) -> tuple[
 
     def flops(p: Problem, m: int) -> float:
         n, k = dims(p)
-        return 2.0 * m * p["TOPK"] * n * k
+        return 2.0 * routed_rows(p, m) * n * k
 
     return nbytes, flops
 
@@ -345,6 +365,9 @@ MODELS += [
     ProblemModel("moe_route", ("E", "TOPK"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
                  bytes_fn=_rows("E", lambda p: p.get("SPLIT", 1) * p["E"] * 4 + p["TOPK"] * 8, lambda p: p["E"] * 4),
                  flops_fn=lambda p, m: 4.0 * m * p["E"]),
+    ProblemModel("moe_route_local", ("E", "TOPK"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
+                 bytes_fn=_rows("E", lambda p: p.get("SPLIT", 1) * p["E"] * 4 + p["TOPK"] * 8, lambda p: p["E"] * 4),
+                 flops_fn=lambda p, m: 4.0 * m * p["E"]),
     ProblemModel("moe_align_blocks", ("E", "BM"), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None,
                  loop_block=None, bytes_fn=lambda p, m: m * 4 + p["E"] * 4 + _align_nb(p, m) * (1 + p["BM"]) * 4,
                  flops_fn=lambda p, m: 0.0,
@@ -371,6 +394,10 @@ MODELS += [
                  bytes_fn=_rows("D", lambda p: p["D"] * (4 * p["TOPK"] + 2 + 4 + 2) + p["TOPK"] * 4,
                                 lambda p: p["D"] * 2),
                  flops_fn=lambda p, m: (p["TOPK"] + 6.0) * m * p["D"], derived=_topk_derived),
+    # a rank's share before the all-reduce: top-k partial rows (f32) + shared (bf16) in, bf16 row out
+    ProblemModel("moe_combine_rank", ("D", "TOPK"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
+                 bytes_fn=lambda p, m: routed_rows(p, m) * p["D"] * 4 + m * (p["D"] * 4 + p["TOPK"] * 4),
+                 flops_fn=lambda p, m: (p["TOPK"] + 1.0) * m * p["D"], derived=_topk_derived),
     ProblemModel("rmsnorm_add_quant", ("D",), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
                  bytes_fn=_rows("D", lambda p: p["D"] * (2 + 4 + 2 + 1) + 4, lambda p: p["D"] * 2),
                  flops_fn=lambda p, m: 9.0 * m * p["D"]),

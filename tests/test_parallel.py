@@ -233,18 +233,119 @@ def test_failing_rank_is_named_and_the_others_stop(pair, tmp_path):
 
 
 
-@pytest.mark.slow
-def test_triton_backend_two_ranks(tmp_path):
-    """The kdsl kernels (interpreter) under 2 ranks: a 4-layer target, one prompt's prefill and first
-    token, and (on the ranks) one counted step (bf16 all-reduces: 2 x 4 layers x 3 rows x 64 x 2 bytes), against one process."""
+TRITON_ARGS = ["--backend", "triton", "--cases", "plain-greedy", "--new", "1", "--prompts", "1"]
+
+
+@pytest.fixture(scope="module")
+def triton_refs(tmp_path_factory):
+    """Per fixture kind: a 4-layer target and its single-process triton run (the world-1 fused path),
+    made once for the parametrized runs below."""
     from tests._parallel_run import main as run_one
 
-    t = tmp_path / "t4"
-    write_fixture("kimi-k25", t, seed=0, layers=4)
-    args = ["--target", str(t), "--draft", str(t), "--backend", "triton", "--cases", "plain-greedy", "--new", "1",
-            "--prompts", "1"]
-    assert run_one(args + ["--out", str(tmp_path / "a.json"), "--no-step"]) == 0
-    ref = json.loads((tmp_path / "a.json").read_text())
-    got = _run(2, t, t, tmp_path / "b.json", *args[4:])
+    done: dict = {}
+
+    def get(kind: str):
+        if kind not in done:
+            d = tmp_path_factory.mktemp(kind)
+            write_fixture(kind, d / "t", seed=0, layers=4)
+            argv = ["--target", str(d / "t"), "--draft", str(d / "t"), *TRITON_ARGS, "--out", str(d / "a.json"),
+                    "--no-step"]
+            assert run_one(argv) == 0
+            done[kind] = (d / "t", json.loads((d / "a.json").read_text()))
+        return done[kind]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,moe,kind", [(2, "ep", "kimi-k25"), (4, "ep", "kimi-k25-w4a8"), (2, "tp", "kimi-k25-w4a8")])
+def test_triton_fused_ranks(triton_refs, tmp_path, world, moe, kind):
+    """The kdsl kernels (interpreter) under N ranks, the fused MoE layer (local ids from the route
+    kernel under EP, the rank's share from moe_combine_rank, the all-reduce, rmsnorm_add in place):
+    a 4-layer target, one prompt's prefill and first token, and (on the ranks) one counted step (bf16
+    all-reduces: 2 x 4 layers x 3 rows x 64 x 2 bytes), against one process (the world-1 fused path)."""
+    t, ref = triton_refs(kind)
+    got = _run(world, t, t, tmp_path / "b.json", *TRITON_ARGS, "--moe", moe)
     assert got["cases"] == ref["cases"]
-    assert got["one_step"]["all_reduce"] == step_collective_bytes(load_target(t).config, 3, 2, act_bytes=2)["all_reduce"]
+    want = step_collective_bytes(load_target(t).config, 3, world, act_bytes=2)["all_reduce"]
+    assert got["one_step"]["all_reduce"] == want
+
+
+# ---------------------------------------------------------------------------------------------- EP kernels
+
+
+@pytest.mark.parametrize("E,K,ng,tkg,M", [(16, 4, 1, 1, 5), (24, 6, 4, 2, 3), (12, 12, 1, 1, 2)])
+def test_route_local_ids_match_the_torch_reference(E, K, ng, tkg, M):
+    """`route(..., local=(first, count))` (kernel moe_route_local): the weights of the plain route and,
+    per rank of an even split, the global ids mapped to local ids (-1 for other ranks' experts), against
+    the torch reference; the ids and weights land in views of bigger poisoned buffers, nothing around them
+    written."""
+    from ops import moe
+    from tests.conftest import poisoned
+
+    g = torch.Generator().manual_seed(E * 10 + M)
+    x = torch.randn(M, 64, generator=g)
+    wg = torch.randn(E, 64, generator=g) * 0.2
+    bias = torch.randn(E, generator=g) * 0.1
+    gids, gw = moe.route(x, wg, bias, K, ng, tkg, True, 2.5)
+    rids, rw = moe.moe_route_ref(x, wg, bias, K, ng, tkg, True, 2.5)
+    assert torch.equal(gids, rids)
+    for ranks in (2, 4):
+        n = E // ranks
+        for r in range(ranks):
+            ids, w = moe.route(x, wg, bias, K, ng, tkg, True, 2.5, local=(r * n, n))
+            assert torch.equal(ids, moe.local_ids(rids, r * n, n)) and ids.dtype == torch.int32
+            assert torch.equal(w, gw)                               # the same weights on every rank
+            tids, tw = moe.route(x, wg, bias, K, ng, tkg, True, 2.5, backend="torch", local=(r * n, n))
+            assert torch.equal(tids, ids)
+            torch.testing.assert_close(tw, rw, rtol=1e-6, atol=1e-6)
+    # NaN / +-inf logits through a view of a bigger buffer; outputs into views of bigger poisoned buffers
+    part_big = torch.randn(3, M + 2, E + 5, generator=g)
+    part = part_big[:, 1:M + 1, 2:E + 2]
+    part[:, 0, :] = float("nan")
+    if M > 1:
+        part[0, 1, ::3] = float("inf")
+        part[1, 1, 1::3] = float("-inf")
+    ids_big, w_big = poisoned((M + 2, K + 3), torch.int32), poisoned((M + 2, K + 3), torch.float32)
+    ids, w = ids_big[1:M + 1, 1:K + 1], w_big[1:M + 1, 1:K + 1]
+    n = E // 2
+    moe.moe_route_local(part, bias, ids, w, ng, tkg, 1, 0, 2.5, n, n)
+    assert bool(((ids >= -1) & (ids < n)).all())
+    mask = torch.ones_like(ids_big, dtype=torch.bool)
+    mask[1:M + 1, 1:K + 1] = False
+    assert bool((ids_big[mask] == -123).all()) and bool(w_big[mask].isnan().all())
+    ref = torch.empty(M, K, dtype=torch.int32)
+    moe.moe_route(part.contiguous(), bias, ref, torch.empty(M, K), ng, tkg, 1, 0, 2.5)
+    assert torch.equal(ids, moe.local_ids(ref, n, n))
+
+
+def test_route_local_range_is_checked():
+    from ops import moe
+
+    x, wg, bias = torch.randn(2, 8), torch.randn(16, 8), torch.zeros(16)
+    for bad in ((-1, 4), (0, 0), (12, 8)):
+        with pytest.raises(ValueError, match="local expert range"):
+            moe.route(x, wg, bias, 4, local=bad)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_combine_rank_matches_the_reference(shared):
+    """moe_combine_rank: the top-k partial rows in k order (rows of ids outside [0, E) are NaN: never
+    read) + shared, bf16; equal bits to moe_sum_ids + the f32 shared add + the cast."""
+    from ops import moe
+    from tests.conftest import poisoned
+
+    g = torch.Generator().manual_seed(3)
+    M, K, H, E = 5, 4, 96, 8
+    ids = torch.randint(-1, E + 2, (M, K), generator=g, dtype=torch.int32)
+    part = torch.randn(M * K, H, generator=g)
+    bad = ((ids < 0) | (ids >= E)).reshape(-1)
+    part[bad] = float("nan")
+    s = torch.randn(M, H, generator=g).to(torch.bfloat16) if shared else None
+    got = moe.combine_rank(part, ids, s, E)
+    ref = moe.moe_combine_rank_ref(part, ids, s, E)
+    assert torch.equal(got, ref) and not got.isnan().any()
+    summed = poisoned((M, H), torch.float32)
+    moe.moe_sum_ids(part, ids.reshape(-1), summed, K, E)
+    want = (summed + s.float() if shared else summed).to(torch.bfloat16)
+    assert torch.equal(got, want)
+    assert torch.equal(moe.combine_rank(part, ids, s, E, backend="torch"), ref)

@@ -267,7 +267,7 @@ def test_tp_step_is_rank0_of_the_parallel_model():
     """--tp builds rank 0 of the real tensor-parallel model: per-GPU kernel shapes and the forward's
     own collectives (two all-reduces per layer, the logits' all-gather), costed."""
     from bench.meta_model import HostShadowMode, build_model
-    from bench.step import cost_step, load_model_config, record_step
+    from bench.step import cost_step, launch_layers, load_model_config, record_step
 
     cfg = load_model_config("kimi-k2.5", tp=8, moe_parallel="ep", layers=2)
     assert cfg.num_attention_heads == 64                      # the full config; the plan splits it
@@ -279,12 +279,20 @@ def test_tp_step_is_rank0_of_the_parallel_model():
         for r in rec.launches:
             by.setdefault(r.kernel.name, []).append(r.dims)
         assert {d["H"] for d in by["mla_decode_split"]} == {8}
-        assert by["moe_route"][0]["E"] == 384                 # the router stays replicated
+        route = by["moe_route_local" if moe == "ep" else "moe_route"]
+        assert route[0]["E"] == 384                           # the router stays replicated
         s1 = by["moe_stage1_w4a8"][0]
         assert (s1["E"], s1["I"]) == (want["E"], want["I"])
         assert by["gemm_bf16"][-1]["N"] == 163840 // 8        # vocab-parallel lm_head
         kinds = [(c.kind, c.layer) for c in rec.mode.collectives]
         assert kinds == [("all_reduce", 0), ("all_reduce", 0), ("all_reduce", 1), ("all_reduce", 1), ("all_gather", None)]
+        # the fused path at world 8: no torch op in a layer (the all-reduces are the only non-kdsl work);
+        # EP local ids come out of the route kernel, the rank's share out of moe_combine_rank
+        assert [op.name for op in rec.mode.ops if op.layer is not None] == []
+        moe_layer = [r.kernel.name for r, l in zip(rec.launches, launch_layers(rec)) if l == 1]
+        assert moe_layer[-2:] == ["moe_combine_rank", "rmsnorm_add"]      # the all-reduce runs between them
+        assert "moe_route_local" in moe_layer if moe == "ep" else "moe_route" in moe_layer
+        assert not {"moe_sum_ids", "moe_combine_norm", "rmsnorm"} & set(moe_layer)
         assert rec.mode.collectives[0].nbytes == 7168 * 2 and rec.mode.collectives[-1].nbytes == 163840 // 8 * 4
         items = cost_step(dataclasses.replace(rec, launches=[]), cfg, "gfx942", 8192, tp=8)   # no AOT compiles
         links = [it for it in items if it.kind == "allreduce"]
