@@ -112,7 +112,7 @@ def _common_checks(a: argparse.Namespace) -> None:
 
 
 def cmd_tune(a: argparse.Namespace) -> int:
-    from .problems import parse_problem
+    from .problems import MODEL_DIMS, parse_problem
     from .search import tune
 
     _common_checks(a)
@@ -125,8 +125,9 @@ def cmd_tune(a: argparse.Namespace) -> int:
     for d, v in problem.items():
         if not isinstance(v, int) or v < 1:
             _fail(f"autotune: --problem: dim {d}={v!r} must be a positive integer")
-        if d not in k.signature.all_dims():
-            _fail(f"autotune: --problem: {d!r} is not a dim of kernel {k.name} (dims: {', '.join(k.signature.all_dims())})")
+        if d not in k.signature.all_dims() and d not in MODEL_DIMS:
+            _fail(f"autotune: --problem: {d!r} is not a dim of kernel {k.name} (dims: {', '.join(k.signature.all_dims())}; "
+                  f"model-only dims: {', '.join(MODEL_DIMS)})")
     ms = _ms(a.m)
     try:
         path, doc = tune(k, a.arch, problem, ms, mode=a.mode, budget_s=a.budget_s, seed=a.seed, out=out,

@@ -175,6 +175,12 @@ def problem_key(kernel: Any, problem: Problem) -> str:
     return "_".join(f"{d}{problem[d]}" for d in dims)
 
 
+# dims a problem may carry that are neither a kernel's dims nor part of its lookup key, read only by
+# the problem models: CTX, the attention context length (see NOMINAL_CTX); EALL, the routed experts of
+# all ranks when the launch is one expert-parallel rank's E of them (ops.problems.routed_share)
+MODEL_DIMS = ("CTX", "EALL")
+
+
 def strip_m(kernel: Any, problem: Problem) -> Problem:
     """The problem as keyed: M dropped; for a model with key dims, only those."""
     pm = model_for(kernel)

@@ -20,7 +20,7 @@ from kdsl.targets import Target, get_target
 
 from . import costmodel
 from .buckets import ANY, bucket_for, bucket_m, bucket_order, parse_bucket
-from .problems import (LAUNCH_ONLY_KEYS, extra_bytes, full_dims, loop_iters, model_for, problem_key, required_dims,
+from .problems import (LAUNCH_ONLY_KEYS, MODEL_DIMS, extra_bytes, full_dims, loop_iters, model_for, problem_key, required_dims,
                        shared_bytes, strip_m)
 from .space import build
 from .store import SCHEMA_VERSION, file_path, helpers_hash, kernel_helpers, kernel_source_hash, load_file, save_file
@@ -212,6 +212,9 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
         require_gpu(target)
     pm = model_for(kernel)
     prob = strip_m(kernel, problem)
+    # model-only dims (MODEL_DIMS: a context length, an expert-parallel rank's share) shape the score,
+    # not the file: the lookup key stays `prob`
+    scored_prob = {**prob, **{d: problem[d] for d in MODEL_DIMS if d in problem}}
     need = [d for d in required_dims(kernel) if d not in prob]
     if need:
         raise ValueError(f"problem for kernel {kernel.name} is missing {need} (got {prob}); e.g. --problem "
@@ -299,7 +302,7 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     else:
         ex.shutdown(wait=True)
 
-    shared = _shared_numerics(kernel, target, prob, buckets, jobs, reports) \
+    shared = _shared_numerics(kernel, target, scored_prob, buckets, jobs, reports) \
         if pm.shared_numerics and mode == "static" else None
     entries = []
     for b in buckets:
@@ -319,7 +322,7 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
             rep = reports.get((_cfg_key(c), _sig_class(m)))
             if rep is None:
                 continue  # not compiled (budget)
-            fig = score(kernel, target, prob, m, c, rep)
+            fig = score(kernel, target, scored_prob, m, c, rep)
             scored.append((costmodel.rank_key(fig), c, fig))
         if not scored:
             continue
@@ -327,7 +330,7 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
         if mode == "measured":
             from .measure import measure_bucket
 
-            best_cfg, fig = measure_bucket(kernel, target, prob, m, [s[1] for s in scored if math.isfinite(s[0][1])],
+            best_cfg, fig = measure_bucket(kernel, target, scored_prob, m, [s[1] for s in scored if math.isfinite(s[0][1])],
                                            pm, seed)
             fig["predicted_us"] = next(s[2]["predicted_us"] for s in scored if s[1] == best_cfg)
         else:
@@ -354,6 +357,8 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
             "elapsed_s": round(time.monotonic() - t0, 1),
             "cost_model": "autotune.costmodel v3" if mode == "static" else "measured (CUDA/HIP events)",
             "problem_key": problem_key(kernel, prob),
+            **({"model_dims": {d: scored_prob[d] for d in MODEL_DIMS if d in scored_prob}}
+               if scored_prob != prob else {}),
             **({"shared_numerics": dict(shared)} if shared is not None else {}),
         },
     }

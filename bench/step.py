@@ -125,7 +125,9 @@ def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: i
     read their files). The smallest M matters for decode attention: at q_len 4, M = batch x 4."""
     mode = HostShadowMode()
     model = build_model(cfg, experts, mode, tp, moe_parallel)
-    return _problems([record_step(cfg, experts, arch, batch, ctx, ql, model, mode) for ql in q_lens], batch)
+    probs = _problems([record_step(cfg, experts, arch, batch, ctx, ql, model, mode) for ql in q_lens], batch)
+    ep = cfg.n_routed_experts if moe_parallel == "ep" and tp > 1 else None
+    return [(k, {**p, **ep_share(k, p, ep)}, m) for k, p, m in probs]   # EP: tuned for the rank's share
 
 
 def _problems(recs: list[StepRecord], batch: int) -> list[tuple[Any, dict[str, Any], int]]:
@@ -229,6 +231,15 @@ def _layer_of(launch_layers: list[int | None], i: int) -> int | None:
     return launch_layers[i] if i < len(launch_layers) else None
 
 
+def ep_share(kernel: Any, prob: dict[str, Any], ep_experts: int | None) -> dict[str, int]:
+    """{"EALL": ...} for a routed-expert launch of an expert-parallel rank (`ep_experts`: the routed
+    experts of all ranks): ops.problems.routed_share then costs E / EALL of each token's experts;
+    {} otherwise (MXFP4 stages keep every top-k row: their EP ids are clamped with weight 0)."""
+    if ep_experts and "TOPK" in prob and "E" in prob and "mxfp4" not in kernel.name:
+        return {"EALL": ep_experts}
+    return {}
+
+
 def cost_step(rec: StepRecord, cfg: Any, arch: str, ctx: int, gap: str = "graph", tp: int = 1,
               full_layers: int | None = None, launch_layers: list[int | None] | None = None,
               workers: int | None = None, log: Any = None, ep_experts: int | None = None) -> list[Item]:
@@ -257,8 +268,7 @@ def cost_step(rec: StepRecord, cfg: Any, arch: str, ctx: int, gap: str = "graph"
         prob = dict(r.dims)
         if "PS" in prob:  # paged decode attention: the context sets its bytes and split count
             prob["CTX"] = ctx + rec.q_len
-        if ep_experts and "TOPK" in prob and "E" in prob and "mxfp4" not in k.name:
-            prob["EALL"] = ep_experts  # ops.problems.routed_share: E / EALL of each token's experts
+        prob.update(ep_share(k, prob, ep_experts))
         m = m_of(k, r.dims)
         rep = reports[_report_key(r, arch)]
         try:
@@ -305,6 +315,9 @@ def summarize(items: list[Item], rec: StepRecord, cfg: Any, full_layers: int, to
     pred_rec = sum(it.predicted_us + it.gap_us for it in items if math.isfinite(it.predicted_us))
     floor = sum(it.floor_us * it.weight for it in items if math.isfinite(it.floor_us))
     gaps = sum(it.gap_us * it.weight for it in items)
+    links = [it for it in items if it.kind == "allreduce" and math.isfinite(it.predicted_us)]
+    coll = sum((it.predicted_us + it.gap_us) * it.weight for it in links)
+    coll_floor = sum(it.floor_us * it.weight for it in links)
     n_kdsl = sum(it.weight for it in items if it.kind == "kdsl")
     n_torch = sum(it.weight for it in items if it.kind == "torch")
     per_layer: dict[str, dict[str, int]] = {}
@@ -333,7 +346,10 @@ def summarize(items: list[Item], rec: StepRecord, cfg: Any, full_layers: int, to
     fb = [g for g in ranked if g["kind"] == "kdsl" and g["tuned"] != "tuned"]
     return {"q_len": rec.q_len, "launches": round(n_kdsl + n_torch), "kdsl_launches": round(n_kdsl),
             "torch_launches": round(n_torch), "launches_per_layer": per_layer, "predicted_us": pred,
-            "floor_us": floor, "gaps_us": gaps, "predicted_us_recorded_layers": pred_rec, "ratio": pred / floor if floor else math.inf,
+            "floor_us": floor, "gaps_us": gaps, "collective_us": coll,
+            # the launches alone (no gaps, no collectives) against their own floor
+            "kernels_us": pred - gaps - coll, "kernels_floor_us": floor - coll_floor,
+            "predicted_us_recorded_layers": pred_rec, "ratio": pred / floor if floor else math.inf,
             "layers_recorded": rec.layers, "layers": full_layers, "host_ops": rec.mode.host_ops,
             "device_reads": len(rec.mode.device_reads), "record_s": round(rec.record_s, 2),
             "top": ranked[:top], "fallbacks": [{"name": g["name"], "shape": g["shape"], "why": g["tuned"],
@@ -348,6 +364,9 @@ def print_summary(s: dict[str, Any], head: str) -> None:
     print(f"predicted {s['predicted_us'] / 1e3:.3f} ms (launch gaps {s['gaps_us'] / 1e3:.3f} ms)  floor "
           f"{s['floor_us'] / 1e3:.3f} ms  ratio {s['ratio']:.2f}x   [{s['layers']} layers"
           + (f", {s['layers_recorded']} recorded and scaled" if s["layers_recorded"] != s["layers"] else "") + "]")
+    kf = s["kernels_floor_us"]
+    print(f"kernels {s['kernels_us'] / 1e3:.3f} ms vs their floor {kf / 1e3:.3f} ms = "
+          f"{s['kernels_us'] / kf if kf else math.inf:.2f}x; collectives {s['collective_us'] / 1e3:.3f} ms")
     print(f"host-side tensor ops {s['host_ops']}, device->host reads in the forward {s['device_reads']}")
     print(f"{'share':>6} {'total us':>10} {'count':>6} {'each us':>9}  item")
     for g in s["top"]:

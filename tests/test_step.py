@@ -356,6 +356,30 @@ def test_tune_model_dry_run_lists_the_step_problems(capsys):
         assert want in out
 
 
+def test_ep_tuning_scores_the_ranks_share(capsys, tmp_path):
+    """tune-model --moe-parallel ep hands the routed-expert stages EALL (the experts of all ranks), so
+    they are tuned for the rank's expected share of the rows, keyed and filed as before; `tune`
+    accepts it as a model-only dim, scores with it and records it in the file."""
+    from autotune import search
+    from autotune.__main__ import main
+    from autotune.store import file_name
+    from ops import moe
+
+    assert main(["tune-model", "--config", "kimi-k2.5", "--arch", "gfx942", "--tp", "8", "--moe-parallel", "ep",
+                 "--dry-run", "--q-lens", "1", "--only", "moe_stage1_w4a8,moe_align_one"]) == 0
+    out = capsys.readouterr().out
+    assert "moe_stage1_w4a8 E=48,K=7168,I=2048,TOPK=8,EALL=384" in out and "moe_align_one E=48,BM=16\n" in out
+    prob = {"E": 48, "K": 7168, "I": 2048, "TOPK": 8}
+    assert file_name(moe.moe_stage1_w4a8, {**prob, "EALL": 384}) == file_name(moe.moe_stage1_w4a8, prob)
+    rows = {}
+    for extra in ({}, {"EALL": 384}):
+        _, doc = search.tune(moe.moe_stage1_w4a8, "gfx942", {**prob, **extra}, [2], max_candidates=2, workers=1,
+                             progress=False, write=False, out=str(tmp_path))
+        assert doc["problem"] == prob and doc["provenance"].get("model_dims", {}) == extra
+        rows[bool(extra)] = doc["entries"][0]["figures"]
+    assert rows[True]["floor_us"] < rows[False]["floor_us"] / 4     # 2 of 16 rows' experts on this rank
+
+
 # ---- the EAGLE-3 draft step (bench.step --model draft|both, tune-model --model draft)
 
 def test_draft_step_records_on_meta():
