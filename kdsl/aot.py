@@ -124,15 +124,15 @@ def signature_for(sp: Specialization, problem: dict[str, int]) -> tuple[dict, di
         if shp and hasattr(op.dtype, "pack"):
             shp[-1] = max(1, shp[-1] // 8)
         shapes[pname] = _contiguous_strides(shp)
-    for idx, (pname, ty) in enumerate(sp.params):
+    for idx, p in enumerate(sp.params):
+        pname, ty = p.name, p.sig
         val = None
-        if pname.endswith("_ptr"):
+        if p.kind == "ptr":
             sig[pname] = ty
             attrs[(idx,)] = [["tt.divisibility", 16]] + ([["tt.pointer_range", 32]] if amd else [])
             continue
-        if "_s" in pname and pname.rsplit("_s", 1)[0] in k.signature.operands:
-            op, i = pname.rsplit("_s", 1)
-            val = shapes[op][int(i)]
+        if p.kind == "stride":
+            val = shapes[p.operand][p.dim]
         elif pname in problem:
             val = problem[pname]
         if ty == "i32" and val == 1:

@@ -87,14 +87,11 @@ class Emitter:
             return None
         return " & ".join(f"({p})" if " " in p else p for p in parts)
 
-    def bound_exprs(self, n: Node, h: OperandHandle, ivals: list[Any], axes: tuple[Axis, ...],
-                    skip: int | None = None) -> list[str]:
+    def bound_exprs(self, n: Node, h: OperandHandle, ivals: list[Any], axes: tuple[Axis, ...]) -> list[str]:
         """Emit the checks `0 <= index < dim` the bounds pass asked for (indices computed from
         loaded data) and return them laid out over the access axes, for the access mask."""
         out = []
-        for pos, dname, lo, hi in n.attrs.get("bounds", ()):
-            if pos == skip:
-                continue
+        for pos, dname, lo, hi in n.a.bounds:
             i = ivals[pos]
             src = self.ref(i)
             if not i.axes and axes and getattr(self.target, "backend", None) == "interpret":
@@ -161,9 +158,9 @@ class Emitter:
     # -- program -------------------------------------------------------------------------------
     def _loop_range(self, n: Node, start: Any, stop: Any) -> str:
         """`range(start, stop, step)`; `tl.range(..., num_stages=)` where the fold asks for stages."""
-        step = n.attrs.get("step")
-        step_s = str(n.attrs["block"]) if step is None else self.ref(step)
-        stages = n.attrs.get("num_stages")
+        step = n.a.step
+        step_s = str(n.a.block) if step is None else self.ref(step)
+        stages = n.a.num_stages
         if stages is not None and getattr(self.target, "backend", None) != "interpret":
             return f"tl.range({self.ref(start)}, {self.ref(stop)}, {step_s}, num_stages={stages})"
         return f"range({self.ref(start)}, {self.ref(stop)}, {step_s})"
@@ -175,12 +172,12 @@ class Emitter:
             getattr(self, f"op_{n.op}")(n)
 
     def op_program_id(self, n: Node) -> None:
-        self.w(f"{n.results[0].name} = tl.program_id({n.attrs['axis']})")
+        self.w(f"{n.results[0].name} = tl.program_id({n.a.axis})")
 
     def op_range(self, n: Node) -> None:
         r = n.results[0]
-        start = n.args[0]
-        ar = f"tl.arange(0, {n.attrs['size']})"
+        start = n.a.start
+        ar = f"tl.arange(0, {n.a.size})"
         if isinstance(start, int) and start == 0:
             self.w(f"{r.name} = {ar}")
         else:
@@ -188,7 +185,7 @@ class Emitter:
 
     def _f32_round(self, expr: str, n: Node) -> str:
         """In the interpreter, bf16 results are computed in f32 and rounded to nearest even."""
-        if not n.attrs.get("f32_then_round"):
+        if not n.a.f32_then_round:
             return expr
         tmp = self.fresh("f")
         self.w(f"{tmp} = {expr}")
@@ -231,14 +228,14 @@ class Emitter:
 
     def op_binary(self, n: Node) -> None:
         r = n.results[0]
-        f32 = bool(n.attrs.get("f32_then_round"))
-        a, b = (self._as_f32(x, r.axes, f32) for x in n.args)
-        op = n.attrs["op"]
+        f32 = bool(n.a.f32_then_round)
+        a, b = (self._as_f32(x, r.axes, f32) for x in (n.a.lhs, n.a.rhs))
+        op = n.a.op
         self.w(f"{r.name} = {self._f32_round(f'{a} {op} {b}', n)}")
 
     def op_unary(self, n: Node) -> None:
-        r, op = n.results[0], n.attrs["op"]
-        a = self._as_f32(n.args[0], r.axes, bool(n.attrs.get("f32_then_round")))
+        r, op = n.results[0], n.a.op
+        a = self._as_f32(n.a.x, r.axes, bool(n.a.f32_then_round))
         expr = f"{op}{a}" if op in ("-", "~") else f"{UNARY[op]}({a})"
         if op == "sigmoid" and getattr(self.target, "backend", None) == "interpret":
             expr = f"1.0 / (1.0 + tl.exp(-{self._paren(a)}))"  # tl.sigmoid is a JITFunction: not interpretable
@@ -246,29 +243,28 @@ class Emitter:
 
     def op_minmax(self, n: Node) -> None:
         r = n.results[0]
-        f32 = bool(n.attrs.get("f32_then_round"))
-        a, b = (self._as_f32(x, r.axes, f32) for x in n.args)
-        fn = n.attrs["op"]
+        f32 = bool(n.a.f32_then_round)
+        a, b = (self._as_f32(x, r.axes, f32) for x in (n.a.lhs, n.a.rhs))
+        fn = n.a.op
         self.w(f"{r.name} = {self._f32_round(f'tl.{fn}({a}, {b})', n)}")
 
     def op_where(self, n: Node) -> None:
         r = n.results[0]
-        f32 = bool(n.attrs.get("f32_then_round"))
-        cnd = self.aligned(n.args[0], r.axes)
-        a, b = (self._as_f32(x, r.axes, f32) for x in n.args[1:])
+        f = n.a
+        f32 = bool(f.f32_then_round)
+        cnd = self.aligned(f.cond, r.axes)
+        a, b = (self._as_f32(x, r.axes, f32) for x in (f.on_true, f.on_false))
         expr = f"tl.where({cnd}, {a}, {b})"
         if f32:  # select never rounds; only a mixed-type select needs the cast
             expr = f"({expr}).to(tl.bfloat16)" if any(
-                isinstance(x, Value) and x.const is None and x.dtype is not T.bf16 for x in n.args[1:]) else expr
-        elif not n.args[0].axes and not n.args[1].axes and not n.args[2].axes:
-            pass
+                isinstance(x, Value) and x.const is None and x.dtype is not T.bf16 for x in (f.on_true, f.on_false)) else expr
         self.w(f"{r.name} = {expr}")
 
     def op_cast(self, n: Node) -> None:
-        r, src = n.results[0], n.args[0]
-        dt = n.attrs["dtype"]
+        r, src = n.results[0], n.a.x
+        dt = n.a.dtype
         s = self.ref(src)
-        lower = n.attrs.get("lower", "plain")
+        lower = n.a.lower
         if lower == "rtz_bits":
             self.w(f"{r.name} = ({s}.to(tl.float32).to(tl.uint32, bitcast=True) >> 16)"
                    f".to(tl.uint16).to(tl.bfloat16, bitcast=True)")
@@ -281,15 +277,15 @@ class Emitter:
 
     def op_bitcast(self, n: Node) -> None:
         r = n.results[0]
-        self.w(f"{r.name} = {self.ref(n.args[0])}.to({tl_type(n.attrs['dtype'])}, bitcast=True)")
+        self.w(f"{r.name} = {self.ref(n.a.x)}.to({tl_type(n.a.dtype)}, bitcast=True)")
 
     def op_reduce(self, n: Node) -> None:
-        r, x = n.results[0], n.args[0]
-        ax = x.axes.index(n.attrs["axis"])
+        r, x, f = n.results[0], n.a.x, n.a
+        ax = x.axes.index(f.axis)
         src = self.ref(x)
-        if n.attrs["op"] == "sum" and x.dtype is not n.attrs["dtype"]:
-            src = f"{src}.to({tl_type(n.attrs['dtype'])})"
-        self.w(f"{r.name} = {self._reduce_call(n.attrs['op'], src, ax)}")
+        if f.op == "sum" and x.dtype is not f.dtype:
+            src = f"{src}.to({tl_type(f.dtype)})"
+        self.w(f"{r.name} = {self._reduce_call(f.op, src, ax)}")
 
     _INTERP_COMBINE = {"sum": "_sum_combine", "max": "_elementwise_max", "min": "_elementwise_min"}
 
@@ -303,19 +299,20 @@ class Emitter:
 
     def op_full(self, n: Node) -> None:
         r = n.results[0]
-        self.w(f"{r.name} = tl.full({self.shape(r.axes)}, {lit(n.attrs['value'])}, {tl_type(n.attrs['dtype'])})")
+        self.w(f"{r.name} = tl.full({self.shape(r.axes)}, {lit(n.a.value)}, {tl_type(n.a.dtype)})")
 
     def op_broadcast(self, n: Node) -> None:
         r = n.results[0]
-        self.w(f"{r.name} = tl.broadcast_to({self.aligned(n.args[0], r.axes)}, {self.shape(r.axes)})")
+        self.w(f"{r.name} = tl.broadcast_to({self.aligned(n.a.x, r.axes)}, {self.shape(r.axes)})")
 
     def op_dot(self, n: Node) -> None:
-        a, b, acc = n.args
+        f = n.a
+        a, b, acc = f.a, f.b, f.acc
         r = n.results[0]
-        i, k, j = n.attrs["i"], n.attrs["k"], n.attrs["j"]
+        i, k, j = f.i, f.k, f.j
         A, B = self.aligned(a, (i, k)), self.aligned(b, (k, j))
-        out = tl_type(n.attrs["dtype"])
-        if n.attrs["form"] == "mulsum":
+        out = tl_type(f.dtype)
+        if f.form == "mulsum":
             A3 = f"{self._paren(A)}.to({out})[:, :, None]"
             B3 = f"{self._paren(B)}.to({out})[None, :, :]"
             expr = self._reduce_call("sum", f"{A3} * {B3}", 1)
@@ -323,10 +320,10 @@ class Emitter:
                 expr = f"{self.aligned(acc, (i, j))} + {expr}"
             self.w(f"{r.name} = {expr}")
             return
-        if n.attrs.get("upcast"):
+        if f.upcast:
             A, B = f"{self._paren(A)}.to(tl.float32)", f"{self._paren(B)}.to(tl.float32)"
         extra = ""
-        if a.dtype is T.f32 or n.attrs.get("upcast"):
+        if a.dtype is T.f32 or f.upcast:
             extra = ', input_precision="ieee"'
         acc_s = f", acc={self.aligned(acc, (i, j))}" if acc is not None else f", out_dtype={out}"
         self.w(f"{r.name} = tl.dot({A}, {B}{acc_s}{extra})")
@@ -335,7 +332,7 @@ class Emitter:
         """For a load whose bounds clamp (see passes.bound_gathers): the indices with each bounded
         one replaced by a name holding it clamped into [0, dim)."""
         out = list(ivals)
-        for pos, dname, lo, hi in n.attrs["bounds"]:
+        for pos, dname, lo, hi in n.a.bounds:
             i = ivals[pos]
             src, dv = self.ref(i), self.ref(self.c.dims[dname])
             if lo and hi:  # unsigned min: a negative index wraps to a huge one, then to dim - 1
@@ -356,56 +353,57 @@ class Emitter:
         return out
 
     def op_load(self, n: Node) -> None:
-        h, ivals, masks, extra = n.args
+        f = n.a
+        h, ivals = f.handle, f.indices
         r = n.results[0]
-        if n.attrs.get("bound_mode") == "clamp":
+        if f.bound_mode == "clamp":
             ivals = self.clamped_indices(n, h, ivals)
             bounds: list[str] = []
         else:
             bounds = self.bound_exprs(n, h, ivals, r.axes)
         ptr = self.address(h, ivals, r.axes)
-        m = self.mask_expr(masks, extra, r.axes, bounds)
+        m = self.mask_expr(f.masks, f.mask, r.axes, bounds)
         if m is None:
             self.w(f"{r.name} = tl.load({ptr})")
         else:
-            other = n.attrs["other"]
+            other = f.other
             if h.dtype.is_fp8 and isinstance(other, int):
                 other = float(other)  # the interpreter cannot cast an int `other` to fp8
             self.w(f"{r.name} = tl.load({ptr}, mask={m}, other={lit(other)})")
 
-    def op_load_int4(self, n: Node) -> None:
-        h, ivals, masks, extra = n.args
-        r = n.results[0]
-        pack: T.Int4 = n.attrs["pack"]
-        kax = ivals[-1].axes[0]
-        if r.axes[-1] is not kax:
-            raise self.c.error(f"{h.name}: the packed axis must be the last axis of the loaded tile", h.name,
-                               loc=getattr(self, "cur_loc", None))
-        size = ivals[-1].range_info.size
-        start = ivals[-1].range_info.start
-        wax = Axis(f"{kax.label}_words", size // 8)
-        waxes = r.axes[:-1] + (wax,)
-        kw = self.fresh("kw")
+    def _packed_access(self, n: Node, hint: str) -> tuple[str, str, tuple[Axis, ...]]:
+        """(address, mask, storage axes) of a packed load as `passes.legalize_packed_loads` recorded
+        it (`n.a.packed`): storage elements `start // per + arange(size // per)` along the last dim."""
+        f = n.a
+        pk = f.packed
+        if pk is None:
+            raise self.c.error(f"{n.op} of {f.handle.name} reached the emitter without its packed-load legalization",
+                               f.handle.name, loc=getattr(self, "cur_loc", None))
+        h, ivals, r = f.handle, f.indices, n.results[0]
+        size, start = ivals[-1].range_info.size, ivals[-1].range_info.start
+        saxes = r.axes[:-1] + (pk.axis,)
+        ks = self.fresh(hint)
         st = self.ref(start)
-        base = "" if st == "0" else f"{self._paren(st)} // 8 + "
-        self.w(f"{kw} = {base}tl.arange(0, {size // 8})")
-        kw_al = kw + "[" + ", ".join("None" for _ in waxes[:-1]) + (", :]" if len(waxes) > 1 else ":]")
-        addr = self.address(h, ivals, waxes, last_override=kw_al)
-        keep = frozenset(m for m in masks if kax not in m.axes)
-        parts = [self.aligned(m, waxes) for m in sorted(keep, key=lambda m: m.name)]
-        if extra is not None:
-            parts.append(self.aligned(extra, waxes))
-        kdim = h.spec.dims[-1]
-        kval = self.c.dims[kdim]
-        parts.append(f"{kw_al} < {self._paren(self.ref(kval))} // 8")
-        last = [b for b in n.attrs.get("bounds", ()) if b[0] == len(ivals) - 1]
-        if last:  # a packed index from loaded data: the word mask above is its upper bound
-            parts.append(f"{kw_al} >= 0")
-        parts += self.bound_exprs(n, h, ivals, waxes, skip=len(ivals) - 1)
+        base = "" if st == "0" else f"{self._paren(st)} // {pk.per} + "
+        self.w(f"{ks} = {base}tl.arange(0, {size // pk.per})")
+        ks_al = ks + "[" + ", ".join("None" for _ in saxes[:-1]) + (", :]" if len(saxes) > 1 else ":]")
+        addr = self.address(h, ivals, saxes, last_override=ks_al)
+        parts = [self.aligned(m, saxes) for m in sorted(f.masks, key=lambda m: m.name)]
+        if f.mask is not None:
+            parts.append(self.aligned(f.mask, saxes))
+        parts.append(f"{ks_al} < {self._paren(self.ref(self.c.dims[pk.dim]))} // {pk.per}")
+        if pk.lower_bound:
+            parts.append(f"{ks_al} >= 0")
+        parts += self.bound_exprs(n, h, ivals, saxes)
+        return addr, " & ".join(f"({p})" for p in parts), saxes
+
+    def op_load_int4(self, n: Node) -> None:
+        r = n.results[0]
+        pack: T.Int4 = n.a.pack
+        addr, wmask, waxes = self._packed_access(n, "kw")
         words = self.fresh("words")
-        wmask = " & ".join(f"({p})" for p in parts)
         self.w(f"{words} = tl.load({addr}, mask={wmask}, other=0)")
-        if n.attrs.get("unpack", "shift") == "bfe":
+        if n.a.unpack == "bfe":
             self._int4_bfe(r, words, waxes, pack)
             return
         nib = self.fresh("sh")
@@ -448,11 +446,11 @@ class Emitter:
         self.w(f"{r.name} = tl.reshape({tree}, {self.shape(r.axes)}).to(tl.int8)")
 
     def _store_like(self, n: Node, fn: str) -> None:
-        h, ivals, masks, extra, value = n.args
-        axes = n.attrs["axes"]
+        f = n.a
+        h, ivals, axes = f.handle, f.indices, f.axes
         ptr = self.address(h, ivals, axes)
-        v = self.aligned(value, axes)
-        m = self.mask_expr(masks, extra, axes, self.bound_exprs(n, h, ivals, axes))
+        v = self.aligned(f.value, axes)
+        m = self.mask_expr(f.masks, f.mask, axes, self.bound_exprs(n, h, ivals, axes))
         sem = ', sem="relaxed"' if fn == "atomic_add" else ""
         mk = "" if m is None else f", mask={m}"
         self.w(f"tl.{fn}({ptr}, {v}{mk}{sem})")
@@ -464,24 +462,25 @@ class Emitter:
         self._store_like(n, "atomic_add")
 
     def op_exit_if(self, n: Node) -> None:
-        self.w(f"if {self.ref(n.args[0])}:")
+        self.w(f"if {self.ref(n.a.cond)}:")
         self.w("    return")
 
     def op_fold(self, n: Node) -> None:
-        start, stop, *inits = n.args
+        f = n.a
+        start, stop, inits = f.start, f.stop, f.inits
         carried = n.results
         for c, i in zip(carried, inits):
             e = self.aligned(i, c.axes)
             if isinstance(i, Value) and i.const is not None:
                 e = f"tl.full({self.shape(c.axes)}, {e}, {tl_type(c.dtype)})"
             self.w(f"{c.name} = {e}")
-        lv = n.attrs["loopvar"]
+        lv = f.loopvar
         self.w(f"for {lv.name} in {self._loop_range(n, start, stop)}:")
         self.indent += 1
         if self.interp:  # the interpreter's range yields Python ints: make the loop variable an i32 scalar
             self.w(f"{lv.name} = tl.cast({lv.name}, tl.int32)")
         self.emit_block(n.blocks[0])
-        for c, y in zip(carried, n.attrs["yields"]):
+        for c, y in zip(carried, f.yields):
             e = self.aligned(y, c.axes)
             if set(y.axes) != set(c.axes) or (isinstance(y, Value) and y.const is not None):
                 e = f"tl.broadcast_to({e}, {self.shape(c.axes)})" if c.axes else e
@@ -494,29 +493,8 @@ class Emitter:
     # -- OCP microscaling ----------------------------------------------------------------------
     def op_load_fp4(self, n: Node) -> None:
         """Bytes of a packed fp4 tile: byte offsets start/2 + arange(size/2) along the packed dim."""
-        h, ivals, masks, extra = n.args
-        r = n.results[0]
-        kax = ivals[-1].axes[0]
-        size, start = ivals[-1].range_info.size, ivals[-1].range_info.start
-        bax = Axis(f"{kax.label}_bytes", size // T.FP4_PER_BYTE)
-        baxes = r.axes[:-1] + (bax,)
-        kb = self.fresh("kb")
-        st = self.ref(start)
-        base = "" if st == "0" else f"{self._paren(st)} // 2 + "
-        self.w(f"{kb} = {base}tl.arange(0, {size // 2})")
-        kb_al = kb + "[" + ", ".join("None" for _ in baxes[:-1]) + (", :]" if len(baxes) > 1 else ":]")
-        addr = self.address(h, ivals, baxes, last_override=kb_al)
-        keep = frozenset(m for m in masks if kax not in m.axes)
-        parts = [self.aligned(m, baxes) for m in sorted(keep, key=lambda m: m.name)]
-        if extra is not None:
-            parts.append(self.aligned(extra, baxes))
-        kval = self.c.dims[h.spec.dims[-1]]
-        parts.append(f"{kb_al} < {self._paren(self.ref(kval))} // 2")
-        if any(b[0] == len(ivals) - 1 for b in n.attrs.get("bounds", ())):
-            parts.append(f"{kb_al} >= 0")  # a packed index from loaded data: the byte mask above is its upper bound
-        parts += self.bound_exprs(n, h, ivals, baxes, skip=len(ivals) - 1)
-        wmask = " & ".join(f"({p})" for p in parts)
-        self.w(f"{r.name} = tl.load({addr}, mask={wmask}, other=0)  # fp4 e2m1 x2")
+        addr, wmask, _ = self._packed_access(n, "kb")
+        self.w(f"{n.results[0].name} = tl.load({addr}, mask={wmask}, other=0)  # fp4 e2m1 x2")
 
     def _e8m0_f32(self, s: str) -> str:
         """E8M0 bytes -> f32 2^(e-127) by bits: 0 -> 2^-127 (a subnormal), 0xFF -> NaN."""
@@ -544,19 +522,20 @@ class Emitter:
         return out
 
     def op_mx_decode(self, n: Node) -> None:
-        v, s = n.args
+        v, s = n.a.packed, n.a.scale
         r = n.results[0]
         rows, k = v.axes
-        g = n.attrs["g"]
+        g = n.a.g
         sc = self.aligned(s, (rows, g)) if s is not None else None
         out = self._fp4_f32(self.ref(v), rows.size, k.size, sc, g.size if g is not None else 1)
         self.w(f"{r.name} = {out}")
 
     def op_dot_scaled(self, n: Node) -> None:
-        a, sa, b, sb, acc = n.args
+        f = n.a
+        a, sa, b, sb, acc = f.a, f.a_scale, f.b, f.b_scale, f.acc
         r = n.results[0]
-        i, k, j, ga, gb = (n.attrs[x] for x in ("i", "k", "j", "ga", "gb"))
-        fa = n.attrs["fa"]
+        i, k, j, ga, gb = f.i, f.k, f.j, f.ga, f.gb
+        fa = f.fa
         A = self.aligned(a, (i, k))
         SB = self.aligned(sb, (j, gb))
         ACC = self.aligned(acc, (i, j)) if acc is not None else None
@@ -584,12 +563,12 @@ class Emitter:
             self.imports.append(line)
 
     def op_iota(self, n: Node) -> None:
-        self.w(f"{n.results[0].name} = tl.arange(0, {n.attrs['axis'].size})")
+        self.w(f"{n.results[0].name} = tl.arange(0, {n.a.axis.size})")
 
     def op_argreduce(self, n: Node) -> None:
-        r, x = n.results[0], n.args[0]
-        ax = x.axes.index(n.attrs["axis"])
-        op = n.attrs["op"]
+        r, x = n.results[0], n.a.x
+        ax = x.axes.index(n.a.axis)
+        op = n.a.op
         src = self.ref(x)
         if self.interp:  # the patched tl.reduce maps these combine functions to numpy's (leftmost) arg-reductions
             self.w(f"{r.name} = tl.reduce(({src}, {src}), {ax}, tl.standard._{op}_combine_tie_break_left)[1]")
@@ -597,8 +576,8 @@ class Emitter:
             self.w(f"{r.name} = tl.{op}({src}, axis={ax}, tie_break_left=True)")
 
     def op_scan(self, n: Node) -> None:
-        r, x = n.results[0], n.args[0]
-        ax = x.axes.index(n.attrs["axis"])
+        r, x = n.results[0], n.a.x
+        ax = x.axes.index(n.a.axis)
         if self.interp:  # tl.cumsum is a JITFunction; the patched associative_scan maps _sum_combine to numpy
             self.w(f"{r.name} = tl.associative_scan({self.ref(x)}, {ax}, tl.standard._sum_combine)")
         else:
@@ -610,9 +589,9 @@ class Emitter:
         return self.aligned(x, lay), others
 
     def op_sort(self, n: Node) -> None:
-        x, r = n.args[0], n.results[0]
-        X, _ = self._last_layout(x, (n.attrs["axis"],))
-        desc = bool(n.attrs["descending"])
+        x, r = n.a.x, n.results[0]
+        X, _ = self._last_layout(x, (n.a.axis,))
+        desc = bool(n.a.descending)
         if self.interp:
             self.need("from kdsl import interp as _kdi")
             self.w(f"{r.name} = _kdi.sort({X}, {desc})")
@@ -622,9 +601,9 @@ class Emitter:
     def op_topk(self, n: Node) -> None:
         """Pack (value, index) into one i64 key that orders by value then by index, sort the keys
         along the last dim (the selected axes moved last and flattened), and unpack."""
-        x, idx = n.args
+        x, idx = n.a.x, n.a.index
         vals, ids = n.results
-        sel, k, largest = n.attrs["axes"], n.attrs["k"], n.attrs["largest"]
+        sel, k, largest = n.a.axes, n.a.k, n.a.largest
         X, others = self._last_layout(x, tuple(sel))
         lay = others + tuple(sel)
         total = 1
@@ -662,8 +641,8 @@ class Emitter:
         self.w(f"{ids.name} = {'0x7FFFFFFF - ' + lo if largest else lo}")
 
     def op_math_ext(self, n: Node) -> None:
-        r, op = n.results[0], n.attrs["op"]
-        a = self.ref(n.args[0])
+        r, op = n.results[0], n.a.op
+        a = self.ref(n.a.x)
         if op == "erf":
             self.w(f"{r.name} = tl.math.erf({a})")
         elif self.interp:
@@ -675,20 +654,21 @@ class Emitter:
 
     def op_pow(self, n: Node) -> None:
         r = n.results[0]
-        a, b = (self.aligned(x, r.axes) for x in n.args)
+        base, exponent = n.a.base, n.a.exponent
+        a, b = (self.aligned(x, r.axes) for x in (base, exponent))
         if self.interp:
             self.need("from kdsl import interp as _kdi")
             self.w(f"{r.name} = _kdi.pow({a}, {b})")
         else:
             self.need("from triton.language.extra import libdevice")
-            if not n.args[1].axes and n.args[0].axes:
+            if not exponent.axes and base.axes:
                 b = f"tl.full({self.shape(r.axes)}, {b}, tl.float32)"
-            elif not n.args[0].axes and n.args[1].axes:
+            elif not base.axes and exponent.axes:
                 a = f"tl.full({self.shape(r.axes)}, {a}, tl.float32)"
             self.w(f"{r.name} = libdevice.pow({a}, {b})")
 
     def op_triton_call(self, n: Node) -> None:
-        mod, name, lay = n.attrs["module"], n.attrs["name"], n.attrs["layout"]
+        mod, name, lay = n.a.module, n.a.name, n.a.layout
         alias = f"_ext_{name}"
         self.need("import importlib")
         if self.interp:
@@ -696,7 +676,7 @@ class Emitter:
             self.need(f"{alias} = _Interp(importlib.import_module({mod!r}).{name}.fn)")
         else:
             self.need(f"{alias} = importlib.import_module({mod!r}).{name}")
-        args = ", ".join(self.aligned(a, lay) if a.axes else self.ref(a) for a in n.args)
+        args = ", ".join(self.aligned(a, lay) if a.axes else self.ref(a) for a in n.a.args)
         outs = n.results
         res = self.fresh("call")
         self.w(f"{res} = {alias}({args})")
@@ -710,7 +690,7 @@ class Emitter:
 def emit_module(c: TraceContext, target: Any, fn_name: str, header: list[str]) -> str:
     em = Emitter(c, target, fn_name)
     em.emit_block(c.root)
-    params = ", ".join(p[0] for p in c.params)
+    params = ", ".join(p.name for p in c.params)
     out = ["# " + h for h in header]
     out += ["import triton", "import triton.language as tl", *getattr(em, "imports", []), "", "",
             "@triton.jit", f"def {fn_name}({params}):"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import types as T
+from .ops_schema import RECORDS, Fields
 
 _KDSL_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -86,12 +87,23 @@ class Value:
 
 @dataclass(eq=False)
 class Node:
+    """One operation. `args` holds the operands in the order of the op's record (ops_schema.RECORDS),
+    the generic view passes walk; op-specific code reads and writes fields by name through `a`."""
+
     op: str
     args: list[Any]
     attrs: dict[str, Any]
     results: list[Value]
     loc: Loc | None
     blocks: list["Block"] = field(default_factory=list)
+
+    @property
+    def a(self) -> Fields:
+        """Operands and attributes by name: `n.a.handle`, `n.a.indices`, `n.a.axis`."""
+        f = self.__dict__.get("_fields")
+        if f is None:
+            f = self.__dict__["_fields"] = Fields(self, RECORDS[self.op])
+        return f
 
 
 @dataclass(eq=False)
@@ -113,6 +125,24 @@ class GridEntry:
     kind: str  # "tile" or "each"
     dim: str
     block: int = 1
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of the generated function and where a launch takes its value from: an
+    operand's data pointer (`ptr`) or its stride along dim `dim` (`stride`), a Scalar parameter, or a
+    dim's value (`dim`)."""
+
+    name: str
+    sig: str  # Triton signature type: "*bf16", "i32", "fp32", ...
+    kind: str  # "ptr" | "stride" | "scalar" | "dim"
+    operand: str | None = None  # the operand of a ptr or stride
+    dim: int | None = None  # the dim of a stride
+
+    @property
+    def source(self) -> str:
+        """The launch argument (operand, Scalar or dim name) the value comes from."""
+        return self.operand if self.kind in ("ptr", "stride") else self.name  # type: ignore[return-value]
 
 
 @dataclass
@@ -139,7 +169,7 @@ class TraceContext:
         self.stack: list[Block] = [self.root]
         self.tunables: dict[str, TunableSpec] = {}
         self.grid: list[GridEntry] = []
-        self.params: list[tuple[str, T.DType | None, Value | None]] = []  # (name, dtype, value) None = constexpr
+        self.params: list[Param] = []
         self.dims: dict[str, Any] = {}
         self.operands: dict[str, OperandHandle] = {}
         self.used_config: set[str] = set()
@@ -151,8 +181,9 @@ class TraceContext:
         self.auto_names.add(name)
         return name
 
-    def add(self, op: str, args: list[Any], attrs: dict[str, Any], results: list[Value],
-            loc: Loc | None = None) -> Node:
+    def add(self, op: str, results: list[Value], /, *, loc: Loc | None = None, **fields: Any) -> Node:
+        """Append a node built from named operands and attributes (the op's record says which)."""
+        args, attrs = RECORDS[op].build(fields)
         node = Node(op, args, attrs, results, loc or caller_loc())
         for r in results:
             r.node = node
@@ -225,7 +256,7 @@ def name_from_locals(c: TraceContext, local_vars: dict[str, Any]) -> None:
     """Give auto-named values the names of the user variables bound to them."""
     used = getattr(c, "_user_names", None)
     if used is None:
-        used = c._user_names = {p[0] for p in c.params} | set(c.operands) | set(c.dims)  # type: ignore[attr-defined]
+        used = c._user_names = {p.name for p in c.params} | set(c.operands) | set(c.dims)  # type: ignore[attr-defined]
     for var, v in local_vars.items():
         if not isinstance(v, Value) or not _is_auto(v) or not var.isidentifier():
             continue

@@ -19,7 +19,7 @@ from . import types as T
 from .cache import write_and_import
 from .emit import emit_module
 from .errors import ConfigError, LaunchError
-from .ir import GridEntry, OperandHandle, TraceContext, TunableSpec, Value, tracing
+from .ir import GridEntry, OperandHandle, Param, TraceContext, TunableSpec, Value, tracing
 from .options import backend_options, split_config
 from .passes import clamped_dims, run_passes
 from .targets import Target, current_target, get_target, resolve_dtype
@@ -74,9 +74,9 @@ class Specialization:
     source: str
     path: str
     grid: list[GridEntry]
-    params: list[tuple[str, Any]]  # (name, sig type string)
+    params: list[Param]  # the generated function's parameters, in order
     stats: dict[str, int] = field(default_factory=dict)
-    sources: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # param -> (kind, name, dim index)
+    sources: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # param -> (kind, source, dim): launch view
     wide: dict[str, tuple[int, ...]] = field(default_factory=dict)  # operand -> dims with 64-bit offset terms
     clamped: frozenset = frozenset()  # (operand, dim) read through a clamped gathered index
     _fn: Any = None
@@ -167,14 +167,14 @@ class Kernel:
                 if pname in sig.operands:
                     op = sig.operands[pname]
                     dt = resolve_dtype(op.dtype, target)
-                    c.params.append((f"{pname}_ptr", f"*{dt.sig}"))
+                    c.params.append(Param(f"{pname}_ptr", f"*{dt.sig}", "ptr", pname))
                     strides = []
                     for i in range(len(op.dims)):
                         # strides stay i32 parameters (a stride past 2^31 is passed as i64 by the
                         # JIT); the 64-bit products of wide dims cast them in the generated code
                         sv = Value(T.i32, (), hint="s")
                         sv.name = f"{pname}_s{i}"
-                        c.params.append((sv.name, "i32"))
+                        c.params.append(Param(sv.name, "i32", "stride", pname, i))
                         strides.append(sv)
                     h = OperandHandle(pname, op, dt, strides, self.name, wide=tuple(wide.get(pname, ())))
                     c.operands[pname] = h
@@ -182,7 +182,7 @@ class Kernel:
                 elif pname in sig.scalars:
                     sv = Value(sig.scalars[pname].dtype, (), hint=pname)
                     sv.name = pname
-                    c.params.append((pname, sig.scalars[pname].dtype.sig))
+                    c.params.append(Param(pname, sig.scalars[pname].dtype.sig, "scalar"))
                     args.append(sv)
                 else:
                     args.append(None)  # Dim params resolved below
@@ -197,10 +197,10 @@ class Kernel:
                         pass
             for d in sig.dim_params:
                 if d not in static:
-                    c.params.append((d, "i32"))
+                    c.params.append(Param(d, "i32", "dim"))
             for d in sig.all_dims():
                 if d not in static and d not in sig.dim_params:
-                    c.params.append((d, "i32"))
+                    c.params.append(Param(d, "i32", "dim"))
             for i, pname in enumerate(sig.order):
                 if pname in sig.dim_params:
                     args[i] = c.dims[pname]
@@ -275,7 +275,7 @@ class Kernel:
         if sp is not None:
             return sp
         c = self._trace(target, full_tun, static, wide)
-        stats = run_passes(c.root, target, c.dims)
+        stats = run_passes(c.root, target, c.dims, kernel=self.name)
         full_tun = {n: c.config.get(n, s.default) for n, s in c.tunables.items()}
         header = [f"kdsl kernel {self.name} for {target.name}",
                   f"source: {inspect.getsourcefile(self.fn)}:{inspect.getsourcelines(self.fn)[1]}",
@@ -288,7 +288,7 @@ class Kernel:
         header.append(f"passes: {stats}")
         src = emit_module(c, target, self.name, header)
         sp = Specialization(self, target, {**full_tun, **opts}, full_tun, opts, static, src, "", list(c.grid),
-                            list(c.params), stats, _param_sources(self.signature, c.params), wide=wide,
+                            list(c.params), stats, _param_sources(c.params), wide=wide,
                             clamped=frozenset(clamped_dims(c.root)))
         self._specs[key] = sp
         return sp
@@ -462,8 +462,8 @@ class Kernel:
         if 0 in grid:
             return sp
         flat: list[Any] = []
-        for pname, _ in sp.params:
-            kind, ref, i = sp.sources[pname]
+        for p in sp.params:
+            kind, ref, i = sp.sources[p.name]
             if kind == "ptr" or kind == "scalar":
                 flat.append(bound[ref])
             elif kind == "stride":
@@ -544,8 +544,8 @@ def _bound_launcher(kernel: "Kernel", key: tuple, sp: Specialization, grid: tupl
     pos = {n: i for i, n in enumerate(order)}
     tmpl: list[Any] = []
     fill: list[tuple[int, int]] = []
-    for pname, _ in sp.params:
-        kind, ref, i = sp.sources[pname]
+    for p in sp.params:
+        kind, ref, i = sp.sources[p.name]
         if kind == "ptr" or kind == "scalar":
             fill.append((len(tmpl), pos[ref]))
             tmpl.append(None)
@@ -580,19 +580,10 @@ def _inlined(fn: Any, opts: dict[str, Any], sp: Specialization, tmpl: list[Any],
     return ns["run"]
 
 
-def _param_sources(sig: T.Signature, params: list[tuple[str, Any]]) -> dict[str, tuple[str, str, int]]:
-    """Where each generated parameter's value comes from at launch."""
-    out: dict[str, tuple[str, str, int]] = {}
-    for name, _ in params:
-        for op, spec in sig.operands.items():
-            if name == f"{op}_ptr":
-                out[name] = ("ptr", op, 0)
-            for i in range(len(spec.dims)):
-                if name == f"{op}_s{i}":
-                    out[name] = ("stride", op, i)
-        if name not in out:
-            out[name] = ("scalar", name, 0) if name in sig.scalars else ("dim", name, 0)
-    return out
+def _param_sources(params: list[Param]) -> dict[str, tuple[str, str, int]]:
+    """Where each generated parameter's value comes from at launch, read off its record:
+    (kind, operand / Scalar / dim name, dim index of a stride)."""
+    return {p.name: (p.kind, p.source, p.dim or 0) for p in params}
 
 
 _CURRENT: list[Target] = []

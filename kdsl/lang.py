@@ -111,13 +111,13 @@ def binary(op: str, a: Any, b: Any) -> Value:
         raise ctx().error(f"arithmetic on fp8 is not allowed: cast to f32 first")
     res_dt = T.bool_ if op in _CMP else dt
     out = Value(res_dt, union_axes(a, b), union_masks(a, b), hint="t")
-    ctx().add("binary", [a, b], {"op": op, "dtype": dt}, [out])
+    ctx().add("binary", [out], lhs=a, rhs=b, op=op, dtype=dt)
     return out
 
 
 def unary(op: str, a: Value, dtype: T.DType | None = None) -> Value:
     out = Value(dtype or a.dtype, a.axes, a.masks, hint="t")
-    ctx().add("unary", [a], {"op": op}, [out])
+    ctx().add("unary", [out], x=a, op=op)
     return out
 
 
@@ -167,7 +167,7 @@ def cast(x: Value, dtype: T.ElemType, rounding: str | None = None) -> Value:
     if x.dtype is dtype and rounding is None:
         return x
     out = Value(dtype, x.axes, x.masks, hint="t")
-    ctx().add("cast", [x], {"dtype": dtype, "rounding": rounding}, [out])
+    ctx().add("cast", [out], x=x, dtype=dtype, rounding=rounding)
     return out
 
 
@@ -175,7 +175,7 @@ def bitcast(x: Value, dtype: T.DType) -> Value:
     if x.dtype.bits != dtype.bits:
         raise ctx().error(f"bitcast {x.dtype!r} -> {dtype!r} changes the bit width")
     out = Value(dtype, x.axes, x.masks, hint="t")
-    ctx().add("bitcast", [x], {"dtype": dtype}, [out])
+    ctx().add("bitcast", [out], x=x, dtype=dtype)
     return out
 
 
@@ -218,7 +218,7 @@ def _minmax(op: str, a: Any, b: Any) -> Value:
     b = as_value(b, like=a)
     dt = promote(a.dtype, b.dtype) if (a.const is None and b.const is None) else (a.dtype if b.const is not None else b.dtype)
     out = Value(dt, union_axes(a, b), union_masks(a, b), hint="t")
-    ctx().add("minmax", [a, b], {"op": op, "dtype": dt}, [out])
+    ctx().add("minmax", [out], lhs=a, rhs=b, op=op, dtype=dt)
     return out
 
 
@@ -231,7 +231,7 @@ def where(cond: Any, a: Any, b: Any) -> Value:
     dt = promote(a_v.dtype, b_v.dtype) if (a_v.const is None and b_v.const is None) else (
         b_v.dtype if a_v.const is not None else a_v.dtype)
     out = Value(dt, union_axes(a_v, b_v, cond), union_masks(cond, a_v, b_v), hint="t")  # data axes lead
-    ctx().add("where", [cond, a_v, b_v], {"dtype": dt}, [out])
+    ctx().add("where", [out], cond=cond, on_true=a_v, on_false=b_v, dtype=dt)
     return out
 
 
@@ -264,7 +264,7 @@ def _reduce(op: str, x: Value, axis: Value | Axis) -> Value:
         dt = (T.f32 if dt.bits < 32 else dt) if dt.is_float else (T.i32 if dt.bits < 32 else dt)
     masks = frozenset(m for m in x.masks if ax not in m.axes)
     out = Value(dt, tuple(a for a in x.axes if a is not ax), masks, hint="r")
-    ctx().add("reduce", [x], {"op": op, "axis": ax, "dtype": dt}, [out])
+    ctx().add("reduce", [out], x=x, op=op, axis=ax, dtype=dt)
     return out
 
 
@@ -316,7 +316,7 @@ def dot(a: Value, b: Value, acc: Value | None = None) -> Value:
             raise c.error(f"dot accumulator must be {out_dt!r} over ({i}, {j}), got {acc!r}")
     masks = frozenset(m for m in (a.masks | b.masks) if k not in m.axes)
     out = Value(out_dt, (i, j), masks, hint="acc")
-    c.add("dot", [a, b, acc], {"i": i, "k": k, "j": j, "dtype": out_dt}, [out])
+    c.add("dot", [out], a=a, b=b, acc=acc, i=i, k=k, j=j, dtype=out_dt)
     return out
 
 
@@ -344,7 +344,7 @@ def _load_fp4(h, idx: Sequence[Any], mask: Value | None) -> Value:
     if axes[-1] is not last.axes[0]:
         axes = tuple(a for a in axes if a is not last.axes[0]) + (last.axes[0],)
     out = Value(T.fp4_e2m1, axes, union_masks(*vals), hint=h.name)
-    c.add("load_fp4", [h, ivals, union_masks(*vals), mask], {}, [out])
+    c.add("load_fp4", [out], handle=h, indices=ivals, masks=union_masks(*vals), mask=mask)
     return out
 
 
@@ -419,8 +419,8 @@ def dot_scaled(a: Value, a_scale: Value | None, b: Value, b_scale: Value, acc: V
     allm = a.masks | b.masks | b_scale.masks | (a_scale.masks if a_scale is not None else frozenset())
     masks = frozenset(m for m in allm if not (set(m.axes) & drop))
     out = Value(T.f32, (i, j), masks, hint="acc")
-    c.add("dot_scaled", [a, a_scale, b, b_scale, acc],
-          {"i": i, "k": k, "j": j, "ga": ga, "gb": gb, "fa": fa, "fb": "e2m1", "dtype": T.f32}, [out])
+    c.add("dot_scaled", [out], a=a, a_scale=a_scale, b=b, b_scale=b_scale, acc=acc,
+          i=i, k=k, j=j, ga=ga, gb=gb, fa=fa, fb="e2m1", dtype=T.f32)
     return out
 
 
@@ -435,7 +435,7 @@ def mx_decode(v: Value, scale: Value | None = None) -> Value:
     masks = v.masks | (scale.masks if scale is not None else frozenset())
     masks = frozenset(m for m in masks if g is None or g not in m.axes)
     out = Value(T.f32, v.axes, masks, hint="dq")
-    c.add("mx_decode", [v, scale], {"g": g}, [out])
+    c.add("mx_decode", [out], packed=v, scale=scale, g=g)
     return out
 
 
@@ -456,7 +456,7 @@ def full(axes: Sequence[Value | Axis], value: int | float, dtype: T.ElemType) ->
         else:
             raise ctx().error(f"full/zeros take tile ranges or axes, got {a!r}")
     out = Value(dtype, tuple(axs), hint="z")
-    ctx().add("full", [], {"value": value, "dtype": dtype}, [out])
+    ctx().add("full", [out], value=value, dtype=dtype)
     return out
 
 
@@ -466,7 +466,7 @@ def broadcast(x: Value, axes: Sequence[Value | Axis]) -> Value:
     if not set(x.axes) <= set(axs):
         raise ctx().error(f"cannot broadcast {x!r} to {axs}")
     out = Value(x.dtype, tuple(axs), x.masks, hint="b")
-    ctx().add("broadcast", [x], {}, [out])
+    ctx().add("broadcast", [out], x=x)
     return out
 
 
@@ -544,7 +544,7 @@ class each:
 
 def _program_id(axis: int) -> Value:
     out = Value(T.i32, (), hint="pid")
-    ctx().add("program_id", [], {"axis": axis}, [out])
+    ctx().add("program_id", [out], axis=axis)
     return out
 
 
@@ -555,7 +555,7 @@ def span(start: Value | int, size: int, limit: Value | int | None = None, label:
         raise c.error(f"tile size must be a power of two, got {size} for {label!r}")
     ax = Axis(label, size)
     out = Value(T.i32, (ax,), hint=f"{label.lower()}", range_info=RangeInfo(start, size))
-    c.add("range", [start], {"size": size}, [out])
+    c.add("range", [out], start=start, size=size)
     if limit is not None:
         pred = binary("<", out, limit)
         pred.masks = frozenset()
@@ -678,13 +678,12 @@ def fold(over: "str | tiles | indices", init: Value | Sequence[Value] | None, bo
         if not set(o.axes) <= set(v.axes):
             raise c.error(f"fold state changed axes from {list(v.axes)} to {list(o.axes)}")
     outs = [as_value(o, like=v) for o, v in zip(outs, carried)]
-    node = c.add("fold", [start, stop, *inits], {"block": block, "loopvar": loopvar, "yields": outs,
-                                                  "range": r}, [])
+    node = c.add("fold", [], start=start, stop=stop, inits=inits, block=block, loopvar=loopvar, yields=outs, range=r)
     if isinstance(spec, indices) or spec.step is not None:
-        node.attrs["step"] = spec.step
-        node.attrs["scalar"] = isinstance(spec, indices)
+        node.a.step = spec.step
+        node.a.scalar = isinstance(spec, indices)
     if spec.num_stages is not None:
-        node.attrs["num_stages"] = spec.num_stages
+        node.a.num_stages = spec.num_stages
     node.results = carried
     for v in carried:
         v.node = node
@@ -701,7 +700,7 @@ def exit_if(cond: Value) -> None:
     if getattr(ctx(), "persistent", False):
         raise ctx().error("exit_if would end every remaining tile of a persistent schedule (programs=): "
                           "guard the stores with a mask instead")
-    ctx().add("exit_if", [cond], {}, [])
+    ctx().add("exit_if", [], cond=cond)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -755,10 +754,10 @@ def load(h, *idx: Any, mask: Value | None = None, other: int | float = 0, unpack
         if unpack not in INT4_UNPACKS:
             raise c.error(f"{h.name}: unknown int4 unpack {unpack!r}; known: {', '.join(INT4_UNPACKS)}", h.name)
         out = Value(T.i8, axes, masks, hint=h.name)
-        c.add("load_int4", [h, ivals, masks, mask], {"pack": h.spec.dtype, "unpack": unpack}, [out])
+        c.add("load_int4", [out], handle=h, indices=ivals, masks=masks, mask=mask, pack=h.spec.dtype, unpack=unpack)
         return out
     out = Value(h.dtype, axes, masks, hint=h.name)
-    c.add("load", [h, ivals, masks, mask], {"other": other}, [out])
+    c.add("load", [out], handle=h, indices=ivals, masks=masks, mask=mask, other=other)
     return out
 
 
@@ -776,7 +775,7 @@ def store(h, idx: Sequence[Any], value: Any, mask: Value | None = None) -> None:
         raise c.error(f"stored value has axes {list(value.axes)} not covered by the index axes {list(axes)}", h.name)
     if value.dtype is not h.dtype:
         value = cast(value, h.dtype)
-    c.add("store", [h, ivals, union_masks(*vals), mask, value], {"axes": axes}, [])
+    c.add("store", [], handle=h, indices=ivals, masks=union_masks(*vals), mask=mask, value=value, axes=axes)
 
 
 def atomic_add(h, idx: Sequence[Any], value: Any, mask: Value | None = None) -> None:
@@ -790,7 +789,7 @@ def atomic_add(h, idx: Sequence[Any], value: Any, mask: Value | None = None) -> 
     value = as_value(value)
     if value.dtype is not h.dtype:
         value = cast(value, h.dtype)
-    c.add("atomic_add", [h, ivals, union_masks(*vals), mask, value], {"axes": axes}, [])
+    c.add("atomic_add", [], handle=h, indices=ivals, masks=union_masks(*vals), mask=mask, value=value, axes=axes)
 
 
 def _install_operand_methods() -> None:
@@ -852,7 +851,7 @@ def _argreduce(op: str, v: Any, axis: Value | Axis) -> Value:
     x = _masked_fill(x, [ax], _lowest(x.dtype) if op == "argmax" else _highest(x.dtype))
     masks = frozenset(m for m in x.masks if ax not in m.axes)
     out = Value(T.i32, tuple(a for a in x.axes if a is not ax), masks, hint="idx")
-    ctx().add("argreduce", [x], {"op": op, "axis": ax}, [out])
+    ctx().add("argreduce", [out], x=x, op=op, axis=ax)
     return out
 
 
@@ -878,7 +877,7 @@ def cumsum(v: Any, axis: Value | Axis) -> Value:
         x = cast(x, dt)
     x = _masked_fill(x, [ax], 0.0 if dt.is_float else 0)
     out = Value(dt, x.axes, x.masks, hint="cs")
-    ctx().add("scan", [x], {"op": "sum", "axis": ax}, [out])
+    ctx().add("scan", [out], x=x, op="sum", axis=ax)
     return out
 
 
@@ -888,7 +887,7 @@ def iota(axis: Value | Axis) -> Value:
     if ax is None:
         raise ctx().error(f"iota takes one axis (a 1-D tile or an Axis), got {axis!r}")
     out = Value(T.i32, (ax,), hint="pos")
-    ctx().add("iota", [], {"axis": ax}, [out])
+    ctx().add("iota", [out], axis=ax)
     return out
 
 
@@ -947,7 +946,7 @@ def topk(v: Any, k: int, axis: Any, index: Value | None = None, largest: bool = 
         kax, kmasks = kr.axes[0], kr.masks
     vals = Value(x.dtype, others + (kax,), omasks | kmasks, hint="top")
     ids = Value(T.i32, others + (kax,), omasks | kmasks, hint="top_id")
-    c.add("topk", [x, index], {"axes": tuple(axs), "kaxis": kax, "k": kp2, "largest": largest}, [vals, ids])
+    c.add("topk", [vals, ids], x=x, index=index, axes=tuple(axs), kaxis=kax, k=kp2, largest=largest)
     if src.dtype is not x.dtype and src.dtype.is_float:
         vals = cast(vals, src.dtype)
     return vals, ids
@@ -967,7 +966,7 @@ def sort(v: Any, axis: Value | Axis, descending: bool = False, return_indices: b
     x = _masked_fill(x, [ax], _lowest(x.dtype) if descending else _highest(x.dtype))
     others = tuple(a for a in x.axes if a is not ax)
     out = Value(x.dtype, others + (ax,), x.masks, hint="sorted")
-    c.add("sort", [x], {"axis": ax, "descending": descending}, [out])
+    c.add("sort", [out], x=x, axis=ax, descending=descending)
     return cast(out, src.dtype) if src.dtype is not x.dtype and src.dtype.is_float else out
 
 
@@ -989,7 +988,7 @@ def _unary_ext(op: str, x: Any) -> Value:
     if x.dtype not in (T.f32, T.f64):
         x = cast(x, T.f32)
     out = Value(x.dtype, x.axes, x.masks, hint="t")
-    ctx().add("math_ext", [x], {"op": op}, [out])
+    ctx().add("math_ext", [out], x=x, op=op)
     return out
 
 
@@ -1014,7 +1013,7 @@ def pow(x: Any, y: Any) -> Value:  # noqa: A001
     xv = cast(xv, T.f32) if xv.dtype is not T.f32 else xv
     yv = cast(yv, T.f32) if yv.dtype is not T.f32 else yv
     out = Value(T.f32, union_axes(xv, yv), union_masks(xv, yv), hint="t")
-    ctx().add("pow", [xv, yv], {}, [out])
+    ctx().add("pow", [out], base=xv, exponent=yv)
     return out
 
 
@@ -1080,8 +1079,8 @@ def _open_loop(start: Value | int, stop: Value | int, step: Value | int, label: 
     c = ctx()
     loopvar = Value(T.i32, (), hint=label)
     loopvar.name = c.fresh(label)
-    node = c.add("fold", [start, stop], {"block": 1, "loopvar": loopvar, "yields": [], "range": None,
-                                         "step": step, "scalar": True, "persistent": True}, [])
+    node = c.add("fold", [], start=start, stop=stop, block=1, loopvar=loopvar, yields=[], range=None,
+                 step=step, scalar=True, persistent=True)
     body = Block()
     node.blocks = [body]
     c.stack.append(body)
@@ -1182,7 +1181,7 @@ def triton_call(fn: Any, *args: Any, dtype: T.ElemType | None = None, axes: Sequ
         dt = resolve_dtype(dtype, c.target)
     masks = frozenset(m for m in union_masks(*vals) if all(a in out_axes for a in m.axes))
     outs = [Value(dt, out_axes, masks, hint=fn.fn.__name__) for _ in range(results)]
-    c.add("triton_call", list(vals), {"module": mod, "name": fn.fn.__name__, "layout": lay}, outs)
+    c.add("triton_call", outs, args=list(vals), module=mod, name=fn.fn.__name__, layout=lay)
     return outs[0] if results == 1 else tuple(outs)
 
 

@@ -6,6 +6,7 @@ from typing import Any, Iterable
 
 from . import types as T
 from .ir import Block, Node, Value, walk
+from .ops_schema import PackedTile
 from .targets import Target
 
 SIDE_EFFECTS = {"store", "atomic_add", "exit_if"}
@@ -45,18 +46,19 @@ def fuse_dot_accumulate(block: Block, counts: dict[int, int] | None = None) -> i
     for n in list(block.nodes):
         for b in n.blocks:
             fused += fuse_dot_accumulate(b, counts)
-        if n.op != "binary" or n.attrs["op"] != "+":
+        if n.op != "binary" or n.a.op != "+":
             continue
+        pair = (n.a.lhs, n.a.rhs)
         for side in (0, 1):
-            d, other = n.args[side], n.args[1 - side]
+            d, other = pair[side], pair[1 - side]
             dn = d.node
-            if (dn is None or dn.op != "dot" or dn.args[2] is not None or dn not in block.nodes
+            if (dn is None or dn.op != "dot" or dn.a.acc is not None or dn not in block.nodes
                     or counts.get(id(d), 0) != 1 or other.dtype is not d.dtype
                     or set(other.axes) != set(d.axes) or other.const is not None):
                 continue
             block.nodes.remove(dn)
             idx = block.nodes.index(n)
-            dn.args[2] = other
+            dn.a.acc = other
             out = n.results[0]
             out.dtype, out.axes = d.dtype, d.axes
             dn.results = [out]
@@ -72,28 +74,28 @@ def legalize(root: Block, target: Target) -> None:
     interp = target.backend == "interpret"
     for n in walk(root):
         if n.op == "dot":
-            a = n.args[0]
-            small = any(ax.size < 16 for ax in (n.attrs["i"], n.attrs["k"], n.attrs["j"]))
-            n.attrs["form"] = "mulsum" if small else "mma"
+            f = n.a
+            small = any(ax.size < 16 for ax in (f.i, f.k, f.j))
+            f.form = "mulsum" if small else "mma"
             # the interpreter multiplies bf16 bit patterns: compute in f32 there (exact products)
-            n.attrs["upcast"] = interp and a.dtype in (T.bf16, T.f16)
+            f.upcast = interp and f.a.dtype in (T.bf16, T.f16)
         elif n.op == "cast":
-            dt, src = n.attrs["dtype"], n.args[0].dtype
-            if n.attrs["rounding"] == "rtz":
-                n.attrs["lower"] = "rtz_bits"
+            dt, src = n.a.dtype, n.a.x.dtype
+            if n.a.rounding == "rtz":
+                n.a.lower = "rtz_bits"
             elif interp and dt is T.bf16 and src is not T.bf16:
-                n.attrs["lower"] = "rne_bits"  # the interpreter truncates; emulate nearest-even
+                n.a.lower = "rne_bits"  # the interpreter truncates; emulate nearest-even
             elif interp and dt.is_fp8 and src.is_float and not src.is_fp8:
                 # the interpreter's float -> fp8 cast rounds ties away and loses the carry into the
                 # exponent (124.3 -> 64); round to the fp8 grid in f32 first, then cast exactly
-                n.attrs["lower"] = "rne_fp8_bits"
+                n.a.lower = "rne_fp8_bits"
             else:
-                n.attrs["lower"] = "plain"
+                n.a.lower = "plain"
         elif n.op in ("binary", "unary", "minmax", "where"):
             dt = n.results[0].dtype
-            n.attrs["f32_then_round"] = interp and dt is T.bf16 and n.attrs.get("op") not in ("~",)
+            n.a.f32_then_round = interp and dt is T.bf16 and not (n.op == "unary" and n.a.op == "~")
         if n.op == "load" or n.op == "store" or n.op == "atomic_add":
-            h = n.args[0]
+            h = n.a.handle
             if h.dtype.is_fp8 and target.backend != "interpret":
                 from .targets import native_fp8
 
@@ -157,11 +159,11 @@ def tainted_values(root: Block) -> set[int]:
             if n.op in DATA_SOURCES:
                 outs = list(n.results)
             elif n.op == "fold":
-                start, stop, *inits = n.args
-                lv = n.attrs["loopvar"]
-                if id(lv) not in taint and any_in(_values_in([start, stop])):
+                f = n.a
+                lv = f.loopvar
+                if id(lv) not in taint and any_in(_values_in([f.start, f.stop])):
                     outs.append(lv)
-                for c, i, y in zip(n.results, inits, n.attrs["yields"]):
+                for c, i, y in zip(n.results, f.inits, f.yields):
                     if any_in(_values_in([i, y])):
                         outs.append(c)
             elif n.op not in ("program_id", "full") and n.results:
@@ -181,8 +183,8 @@ def _implied_bounds(v: Value, dim: str, dim_value: Any) -> tuple[bool, bool]:
     if not v.dtype.is_signed or v.dtype is T.bool_:
         lo = False
     n = v.node
-    if n is not None and n.op == "binary" and n.attrs.get("op") == "%":
-        rhs = n.args[1]
+    if n is not None and n.op == "binary" and n.a.op == "%":
+        rhs = n.a.rhs
         if rhs is dim_value or (isinstance(rhs, Value) and rhs.const is not None and rhs.const == dim_value):
             hi = False
     return lo, hi
@@ -195,10 +197,10 @@ def _index_only(root: Block) -> set[int]:
     other_use: set[int] = set()
     for n in walk(root):
         if n.op in MEMORY_OPS:
-            for i in n.args[1]:
+            for i in n.a.indices:
                 if isinstance(i, Value):
                     index_use.add(id(i))
-            rest: list[Any] = [n.args[2], n.args[3]] + n.args[4:]
+            rest: list[Any] = [n.a.masks, n.a.mask] + ([n.a.value] if n.op in ("store", "atomic_add") else [])
         else:
             rest = list(n.args) + [n.attrs.get("yields", [])]
         for v in _values_in(rest):
@@ -225,7 +227,7 @@ def bound_gathers(root: Block, dims: dict[str, Any]) -> int:
     for n in walk(root):
         if n.op not in MEMORY_OPS:
             continue
-        h, ivals = n.args[0], n.args[1]
+        h, ivals = n.a.handle, n.a.indices
         bounds = []
         for pos, (d, i) in enumerate(zip(h.spec.dims, ivals)):
             if not isinstance(i, Value) or id(i) not in taint:
@@ -234,37 +236,80 @@ def bound_gathers(root: Block, dims: dict[str, Any]) -> int:
             if lo or hi:
                 bounds.append((pos, d, lo, hi))
         if bounds:
-            n.attrs["bounds"] = bounds
+            n.a.bounds = bounds
             count += len(bounds)
             if (n.op == "load" and h.spec.kind == "in" and n.results and id(n.results[0]) in index_only
                     and (not h.is_int4)):
-                n.attrs["bound_mode"] = "clamp"
+                n.a.bound_mode = "clamp"
     return count
 
 
 def clamped_dims(root: Block) -> set[tuple[str, str]]:
     """(operand, dim) pairs read through a clamped index: such a dim must not be empty at launch."""
-    return {(n.args[0].name, b[1]) for n in walk(root) if n.attrs.get("bound_mode") == "clamp"
-            for b in n.attrs["bounds"]}
+    return {(n.a.handle.name, b[1]) for n in walk(root) if n.op == "load" and n.a.bound_mode == "clamp"
+            for b in n.a.bounds}
 
 
-def run_passes(root: Block, target: Target, dims: dict[str, Any] | None = None) -> dict[str, int]:
+PACKED_LOADS = {"load_int4": (8, "words"), "load_fp4": (T.FP4_PER_BYTE, "bytes")}  # values per element
+
+
+def legalize_packed_loads(root: Block, kernel: str | None = None) -> int:
+    """Decide how each packed load (int4 words, fp4 bytes) is masked, and write it into the node's
+    record (`packed`, see ops_schema.PackedTile), so the emitter only prints it.
+
+    The load reads storage elements `start // per + arange(size // per)` along the packed dim: the
+    index masks over the packed axis (a fold's `k < K`) do not apply to that tile and are dropped
+    from `masks`; the storage tile is bounded by `K // per` instead; a packed index read from memory
+    keeps its lower bound `>= 0` (the storage bound is its upper one) and leaves `bounds`. Runs after
+    `bound_gathers`, whose bounds it consumes. Returns the number of loads legalized."""
+    from .errors import TraceError
+    from .ir import Axis
+
+    count = 0
+    for n in walk(root):
+        if n.op not in PACKED_LOADS or n.a.packed is not None:
+            continue
+        per, what = PACKED_LOADS[n.op]
+        f, r = n.a, n.results[0]
+        last_pos = len(f.indices) - 1
+        last = f.indices[last_pos]
+        kax = last.axes[0]
+        if r.axes[-1] is not kax:
+            where = f" (at {n.loc.short()}: {n.loc.text})" if n.loc else ""
+            err = TraceError(kernel, f.handle.name,
+                             f"{f.handle.name}: the packed axis must be the last axis of the loaded tile{where}")
+            err.loc = n.loc  # type: ignore[attr-defined]
+            raise err
+        f.masks = frozenset(m for m in f.masks if kax not in m.axes)
+        lower = any(b[0] == last_pos for b in f.bounds)
+        if "bounds" in n.attrs:
+            f.bounds = [b for b in f.bounds if b[0] != last_pos]
+        storage = Axis(f"{kax.label}_{what}", last.range_info.size // per)
+        f.packed = PackedTile(storage, per, f.handle.spec.dims[-1], lower)
+        count += 1
+    return count
+
+
+def run_passes(root: Block, target: Target, dims: dict[str, Any] | None = None,
+               kernel: str | None = None) -> dict[str, int]:
     from .irtools import verify
 
-    verify(root, stage="trace")
+    verify(root, kernel, stage="trace")
     stats = {"dot_acc_fused": fuse_dot_accumulate(root)}
-    verify(root, stage="dot-accumulate fusion")
+    verify(root, kernel, stage="dot-accumulate fusion")
     legalize(root, target)
     stats["cse"] = cse(root)
-    verify(root, stage="common subexpressions")
+    verify(root, kernel, stage="common subexpressions")
     stats["hoisted"] = hoist_invariants(root)
-    verify(root, stage="hoisting")
+    verify(root, kernel, stage="hoisting")
     stats["dead_removed"] = dce(root)
-    verify(root, stage="dead code removal")
+    verify(root, kernel, stage="dead code removal")
     if dims is not None:
         bounded = bound_gathers(root, dims)
         if bounded:  # absent otherwise: kernels without gathers keep their generated source
             stats["gathers_bounded"] = bounded
+    legalize_packed_loads(root, kernel)  # not counted in stats: the header line stays as it was
+    verify(root, kernel, stage="gather bounds and packed-load legalization")
     return stats
 
 
@@ -369,7 +414,7 @@ def hoist_invariants(block: Block) -> int:
 
 
 def _hoist_from(fold: Node) -> list[Node]:
-    inside: set[int] = {id(fold.attrs["loopvar"])} | {id(r) for r in fold.results}
+    inside: set[int] = {id(fold.a.loopvar)} | {id(r) for r in fold.results}
     body = fold.blocks[0]
     out, keep = [], []
     for n in body.nodes:
@@ -383,6 +428,6 @@ def _hoist_from(fold: Node) -> list[Node]:
         for m in [n, *(x for b in n.blocks for x in walk(b))]:
             inside.update(id(r) for r in m.results)
             if m.op == "fold":
-                inside.add(id(m.attrs["loopvar"]))
+                inside.add(id(m.a.loopvar))
     body.nodes[:] = keep
     return out
