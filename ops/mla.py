@@ -341,8 +341,9 @@ def mla_decode_ref(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
                    sm_scale: float, latent_dim: int = 512, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """float64 reference: gather each sequence's tokens through the block table, mask (causal among
     the new rows, or tree_mask [B, q_len, TW] over the last TW tokens, everything before them
-    visible), softmax. The kernels' no-op rules: a length is clamped to [0, table capacity]; a token whose table
-    entry is outside [0, num_pages) reads as zeros; a row that sees no token is 0."""
+    visible), softmax. The kernels' no-op rules: a length is clamped to [0, table capacity]; a
+    token whose table entry is outside [0, num_pages) reads as zeros; a row that sees no token is 0;
+    a window longer than the sequence covers the whole sequence (its first TW - len columns unused)."""
     B, QL, H, DQ = q.shape
     PS = kv.shape[1]
     out = torch.zeros(B, QL, H, latent_dim, dtype=torch.float64, device=q.device)
