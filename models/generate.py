@@ -14,8 +14,8 @@ with `tokenizer_config.json`; special tokens written in a prompt become their id
 checkpoint's generation eos (generation_config.json, else config.json, else tokenizer_config.json).
 --temperature > 0 uses sampled acceptance (target distribution preserved, chain or tree); --topk > 1
 is tree drafting (--draft-tokens = tree size incl. the root; on the triton backend at most 8, the
-verify kernels' q_len limit). Both backends run every combination (an MLA-midlayer draft drafts trees on
-the torch backend only).
+verify kernels' q_len limit). Both backends run every combination, with a Llama- or an MLA-midlayer
+draft.
 
 Aux layers: the target captures the layers the draft's `eagle_config.eagle_aux_hidden_state_layer_ids`
 name (models.config: as given, +1 on each when the first id is 1), the default (2, N//2, N-3) when

@@ -347,16 +347,17 @@ class _MLA:
         return self.o_proj(o.view(T, H * c.v_head_dim))
 
     def _tree(self, ctx: StepCtx) -> Optional[torch.Tensor]:
-        """The tree mask the triton decode takes (int8 [B, QL, QL]) or None; refuses what it cannot run."""
+        """The tree mask the triton decode takes (int8 [B, QL, TW] over the last TW cached rows: TW = QL
+        for the target's tree verify, TW > QL for an MLA draft's tree step) or None; refuses what it
+        cannot run."""
         from ops.mla import MAX_Q_LEN
 
         if ctx.window is None:
             return None
         QL = ctx.QL
-        if ctx.window.shape[-1] != QL:
-            raise NotImplementedError("triton MLA: visibility over earlier cached rows (draft tree) is not supported")
         if QL > MAX_Q_LEN:
-            raise NotImplementedError(f"triton tree verify: {QL} tree nodes > mla_decode's q_len limit {MAX_Q_LEN}")
+            raise NotImplementedError(f"triton MLA tree attention: {QL} tree rows per sequence > mla_decode's "
+                                      f"q_len limit {MAX_Q_LEN}")
         return ctx.window.to(torch.int8)
 
     def _decode(self, qf: torch.Tensor, kvl: torch.Tensor, ctx: StepCtx, tree: Optional[torch.Tensor],

@@ -9,7 +9,10 @@ Two kernels: `mla_decode_split` walks one split of one sequence's pages for a bl
 (query row, head) pairs with an online softmax and writes an f32 partial output and its
 log2-sum-exp; `mla_decode_combine` merges the splits. Rows of a QL-row verify see the prefix and,
 among the QL new tokens, the causal triangle (row r sees positions < len - QL + r + 1) or, with a
-tree mask, the new tokens that are its ancestors (mask[b, r, j] != 0; the diagonal must be set).
+tree mask [B, QL, TW] over the last TW cached tokens (`mla_decode_split_tree`, TW >= QL), every
+token before those TW and, of the TW, the ones marked (mask[b, r, j] != 0: its ancestors and
+itself). TW = QL is the target's tree verify; a draft tree step (the EAGLE-3 MLA midlayer) needs
+TW > QL because the new rows' ancestors were appended by earlier steps, between non-ancestors.
 The grid's M axis packs (query row, head) pairs so a q_len=4 verify reads each KV tile once per
 M block, like q_len=1 with more heads.
 """
@@ -120,6 +123,7 @@ def _split_body(q, kv, block_table, seq_lens, tree, part, lse, sm_scale):
     ql = q[b, r, h, dl]
     qr = q[b, r, h, dr + DL]
     base = n_len - QL  # first new token's position
+    wbase = n_len - kd.dim("TW") if tree is not None else base  # first position the tree mask covers
     qk_scale = sm_scale * LOG2E
 
     def step(p, m_i, l_i, acc):
@@ -131,7 +135,7 @@ def _split_body(q, kv, block_table, seq_lens, tree, part, lse, sm_scale):
             s = (kd.dot(kl, ql) + kd.dot(kr, qr)) * qk_scale  # [BLOCK_N, BLOCK_M]
         else:
             s = (kd.dot(ql, kl) + kd.dot(qr, kr)) * qk_scale  # [BLOCK_M, BLOCK_N]
-        m_new, l_new, alpha, pr = softmax_step(s, visible(p, r, base, base, stop, tree, b), m_i, l_i, p)
+        m_new, l_new, alpha, pr = softmax_step(s, visible(p, r, base, wbase, stop, tree, b), m_i, l_i, p)
         if pv_f32:
             pv = kd.dot(pr, kl.to(kd.f32))
         else:
@@ -159,13 +163,19 @@ def mla_decode_split(q: kd.In["B", "QL", "H", "DQ", kd.bf16], kv: kd.In["NP", "P
     _split_body(q, kv, block_table, seq_lens, None, part, lse, sm_scale)
 
 
-@kd.kernel(static=("QL", "DL", "DR"), example=_EX, checks=_CHECKS)
+# tree verify at the Kimi shape: q_len 4, the window = the new rows (a draft tree step has TW > QL)
+_TEX = {**_EX, "QL": 4, "QH": 256, "TW": 4}
+_TCHECKS = _CHECKS + [("tree", lambda d: d["TW"] >= d["QL"], "the tree window TW must cover the q_len new rows")]
+
+
+@kd.kernel(static=("QL", "DL", "DR"), example=_TEX, checks=_TCHECKS)
 def mla_decode_split_tree(q: kd.In["B", "QL", "H", "DQ", kd.bf16], kv: kd.In["NP", "PS", "DQ", kd.bf16],
                           block_table: kd.In["B", "MP", kd.i32], seq_lens: kd.In["B", kd.i32],
-                          tree: kd.In["B", "QL", "QL", kd.i8],
+                          tree: kd.In["B", "QL", "TW", kd.i8],
                           part: kd.Out["B", "QL", "H", "S", "DL", kd.f32], lse: kd.Out["B", "QL", "H", "S", kd.f32],
                           sm_scale: kd.Scalar[kd.f32], QH: kd.Dim, DR: kd.Dim):
-    """One KV split of MLA tree verify: row r sees the prefix and the new rows j with tree[b, r, j] != 0."""
+    """One KV split of MLA tree attention: row r sees the positions before the last TW and, among
+    those TW, the ones with tree[b, r, j] != 0 (its ancestors and itself)."""
     _split_body(q, kv, block_table, seq_lens, tree, part, lse, sm_scale)
 
 
@@ -314,19 +324,26 @@ def _check(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_len
     check_paged(op, block_table, seq_lens, B, dev)
     if tree_mask is not None:
         check_tensor(op, "tree_mask", tree_mask, 3, None, dev)
-        if tree_mask.shape != (B, QL, QL):
-            raise ValueError(f"mla_decode: tree_mask must be [B, q_len, q_len] = {(B, QL, QL)}, got {tuple(tree_mask.shape)}")
+        if tree_mask.shape[:2] != (B, QL) or tree_mask.shape[2] < QL:
+            raise ValueError(f"mla_decode: tree_mask must be [B, q_len, TW] = [{B}, {QL}, >= {QL}], got "
+                             f"{tuple(tree_mask.shape)}")
     if validate:
         check_paged_lengths(op, block_table, seq_lens, kv.shape[1], B, QL, kv.shape[0])
-        if tree_mask is not None and not bool(torch.diagonal(tree_mask, dim1=1, dim2=2).bool().all()):
-            raise ValueError("mla_decode: tree_mask must mark every row as its own ancestor (diagonal set)")
+        if tree_mask is not None:
+            TW = tree_mask.shape[2]
+            if int(seq_lens.min()) < TW:
+                raise ValueError(f"mla_decode: the tree window TW={TW} is longer than a sequence ({seq_lens.tolist()})")
+            if not bool(tree_mask[:, :, TW - QL:].diagonal(dim1=1, dim2=2).bool().all()):
+                raise ValueError("mla_decode: tree_mask must mark every row as its own ancestor (diagonal set)")
 
 
 def mla_decode_ref(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                    sm_scale: float, latent_dim: int = 512, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """float64 reference: gather each sequence's tokens through the block table, mask, softmax.
-    The kernels' no-op rules: a length is clamped to [0, table capacity]; a token whose table
-    entry is outside [0, num_pages) reads as zeros; a row that sees no token is 0."""
+    """float64 reference: gather each sequence's tokens through the block table, mask (causal among
+    the new rows, or tree_mask [B, q_len, TW] over the last TW tokens, everything before them
+    visible), softmax. The kernels' no-op rules: a length is clamped to [0, table capacity]; a
+    token whose table entry is outside [0, num_pages) reads as zeros; a row that sees no token is 0;
+    a window longer than the sequence covers the whole sequence (its first TW - len columns unused)."""
     B, QL, H, DQ = q.shape
     PS = kv.shape[1]
     out = torch.zeros(B, QL, H, latent_dim, dtype=torch.float64, device=q.device)
@@ -340,8 +357,10 @@ def mla_decode_ref(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
         if tree_mask is None:
             vis = pos[None, :] < (base + rows + 1)[:, None]
         else:
-            j = (pos - base).clamp(min=0, max=QL - 1)
-            vis = (pos[None, :] < base) | (tree_mask[b].bool()[:, j] & (pos >= base)[None, :])
+            TW = tree_mask.shape[2]
+            wb = n - TW
+            j = (pos - wb).clamp(min=0, max=TW - 1)
+            vis = (pos[None, :] < wb) | (tree_mask[b].bool()[:, j] & (pos >= wb)[None, :])
         s = s.masked_fill(~vis[:, None, :], float("-inf"))
         p = torch.softmax(s, -1).nan_to_num(0.0)  # a row that sees nothing: 0
         out[b] = torch.einsum("rhn,nd->rhd", p, k[:, :latent_dim])
@@ -356,7 +375,12 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     """MLA decode/verify: q [B, q_len, H, latent+rope] over the paged latent cache -> [B, q_len, H, latent].
 
     seq_lens count every cached token including the q_len new ones (append them first with
-    `append_latent`). The launch reads no device value (graph-capturable): the split count comes
+    `append_latent`). tree_mask [B, q_len, TW] (optional, TW >= q_len): row r sees the tokens
+    before the last TW and those of the last TW marked nonzero in row r (its own, the diagonal of
+    the last q_len columns, must be set); TW = q_len is a tree verify, TW > q_len a draft tree step
+    whose ancestors sit in earlier rows; None = causal among the new rows. A window longer than a
+    sequence covers all of it (positions before 0 do not exist; `validate` refuses it).
+    The launch reads no device value (graph-capturable): the split count comes
     from host ints. `invariant` (default): a row's result depends neither on the batch nor on
     q_len (fixed-size KV splits, one reduction config shared by decode and verify, see
     `split_range`); False: splits sized to fill `cu_count` CUs (default: the target's).

@@ -125,6 +125,12 @@ def test_mla_decode_and_append_kimi(B, QL, ctx):
         tm = torch.ones(QL, QL, device=DEV, dtype=torch.int8).tril()[None].expand(B, QL, QL).contiguous()
         tree = mla_decode(q, kv, bt, lens, sc, latent_dim=KVA, tree_mask=tm, out_dtype=torch.float32)
         torch.testing.assert_close(tree.cpu(), ref.float().cpu(), atol=2e-2, rtol=0)
+        # a draft tree step's window over 5 earlier cached rows too (TW > q_len), against the torch backend
+        win = (torch.rand(B, QL, QL + 5, device=DEV, generator=g) < 0.5).to(torch.int8)
+        win[:, :, 5:] = tm
+        wt = mla_decode(q, kv, bt, lens, sc, latent_dim=KVA, tree_mask=win, out_dtype=torch.float32)
+        wr = mla_decode(q, kv, bt, lens, sc, latent_dim=KVA, tree_mask=win, backend="torch", out_dtype=torch.float32)
+        torch.testing.assert_close(wt.cpu(), wr.float().cpu(), atol=2e-2, rtol=0)
 
 
 @pytest.mark.parametrize("B,QL,ctx", [(1, 1, [4096]), (8, 4, [100, 2000, 64, 4096, 5, 9, 300, 700])])

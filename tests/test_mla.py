@@ -81,6 +81,114 @@ def test_tree_mask() -> None:
     assert torch.equal(out_tri, out_c)
 
 
+def _window(B: int, q_len: int, tw: int, seed: int) -> torch.Tensor:
+    """A random tree window mask [B, q_len, tw] as a draft tree step has: each new row sees a random
+    subset of the earlier window rows (ancestors, non-ancestors between them) and itself."""
+    g = torch.Generator().manual_seed(seed)
+    m = (torch.rand(B, q_len, tw, generator=g) < 0.5).to(torch.int8)
+    for r in range(q_len):
+        m[:, r, tw - q_len + r] = 1
+        m[:, r, tw - q_len + r + 1:] = 0                 # later new rows are not ancestors
+    return m
+
+
+def _window_run(q, kv, bt, lens, tm, splits, cfg):
+    """mla_decode_split_tree into poisoned partials, then the combine into a poisoned output."""
+    B, QL, Hq, _ = q.shape
+    part, lse = poisoned((B, QL, Hq, splits, DL), torch.float32), poisoned((B, QL, Hq, splits), torch.float32)
+    mla.mla_decode_split_tree(q, kv, bt, lens, tm, part, lse, SCALE, QL * Hq, DR, config=cfg)
+    out = poisoned((B, QL, Hq, DL), torch.bfloat16)
+    mla.mla_decode_combine(part, lse, out, QL * Hq)
+    return out, part, lse
+
+
+@pytest.mark.parametrize("q_len,extra,lens", [
+    (1, 3, [5, 9]),                # one row over a 4-row window
+    (4, 5, [9, 26, 13]),           # ragged, the window crosses pages (PS 8)
+    (3, 6, [16, 17]),              # the window ends at / just past a page boundary
+    (8, 9, [17, 40]),              # q_len 8, a 17-row window over three pages
+])
+def test_tree_window_matches_reference(q_len: int, extra: int, lens: list[int]) -> None:
+    """A draft tree step's window [B, q_len, TW > q_len] over the last TW cached rows."""
+    q, kv, bt, lens = _setup(lens, q_len, seed=200 + q_len, heads=2)
+    tm = _window(len(lens), q_len, q_len + extra, seed=q_len)
+    ref = mla.mla_decode_ref(q, kv, bt, lens, SCALE, DL, tree_mask=tm)
+    out, part, lse = _window_run(q, kv, bt, lens, tm, 3, {"BLOCK_N": 16, "SPLIT_TOKENS": 0})
+    assert not part.isnan().any() and not lse.isnan().any() and not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, **TOL)
+    via_op = mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, tree_mask=tm, config={"BLOCK_N": 16})
+    torch.testing.assert_close(via_op.double(), ref, **TOL)
+    assert torch.equal(mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, tree_mask=tm, backend="torch"),
+                       ref.bfloat16())
+    # the earlier rows of the window matter: a causal mask over the new rows alone is another result
+    if q_len > 1:
+        assert (ref - mla.mla_decode_ref(q, kv, bt, lens, SCALE, DL, tree_mask=tm[:, :, extra:])).abs().max() > 5e-2
+
+
+@settings(max_examples=4)
+@given(splits=st.integers(1, 6), seed=st.integers(0, 2 ** 16), block_n=st.sampled_from([16, 32]),
+       kv_rows=st.sampled_from([0, 1]))
+def test_tree_window_any_split_count(splits: int, seed: int, block_n: int, kv_rows: int) -> None:
+    q, kv, bt, lens = _setup([13, 37], 4, seed=seed, heads=2)
+    tm = _window(2, 4, 11, seed=seed + 1)
+    cfg = {"BLOCK_N": block_n, "KV_ROWS": kv_rows, "SPLIT_TOKENS": 0}
+    out, _, _ = _window_run(q, kv, bt, lens, tm, splits, cfg)
+    torch.testing.assert_close(out.double(), mla.mla_decode_ref(q, kv, bt, lens, SCALE, DL, tree_mask=tm), **TOL)
+
+
+def test_tree_window_fused_w_uv_matches_torch() -> None:
+    """The fused path (split kernel + mla_combine_uv) takes the same window."""
+    q, kv, bt, lens = _setup([12, 30], 3, seed=31, heads=2)
+    tm = _window(2, 3, 8, seed=4)
+    wuv = torch.randn(2, DL, 16, generator=torch.Generator().manual_seed(5)).bfloat16()
+    tri = mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, tree_mask=tm, w_uv=wuv)
+    ref = mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, tree_mask=tm, w_uv=wuv, backend="torch")
+    assert tri.shape == ref.shape == (2, 3, 2, 16)
+    torch.testing.assert_close(tri.float(), ref.float(), atol=5e-2, rtol=2e-2)
+
+
+def test_tree_window_of_visible_rows_is_bit_identical() -> None:
+    """TW = q_len (the target's tree verify) is unchanged: widening the window over rows every new
+    row sees anyway gives the same bits, and a lower-triangular window is the causal kernel."""
+    q, kv, bt, lens = _setup([11, 26], 4, seed=9)
+    tm = _window(2, 4, 4, seed=3)
+    wide = torch.cat([torch.ones(2, 4, 5, dtype=torch.int8), tm], -1)
+    cfg = {"BLOCK_N": 16}
+    a = mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, tree_mask=tm, splits=3, config=cfg)
+    b = mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, tree_mask=wide, splits=3, config=cfg)
+    assert torch.equal(a, b)
+    tri = torch.cat([torch.ones(2, 4, 6, dtype=torch.int8), torch.ones(2, 4, 4, dtype=torch.int8).tril()], -1)
+    assert torch.equal(mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, tree_mask=tri, config=cfg),
+                       mla.mla_decode(q, kv, bt, lens, SCALE, latent_dim=DL, config=cfg))
+
+
+def test_tree_window_longer_than_the_sequence_stays_in_bounds() -> None:
+    """A window longer than a sequence (and a length past the table) covers only that sequence's
+    rows: the mask is a view into a buffer whose guard rows and columns mark everything visible, and
+    the cache and partials sit between NaN guards, so a stray read or write shows."""
+    from tests.test_bounds import GUARD, guarded, guards_intact
+
+    B, QL, TW, S = 3, 4, 12, 2
+    q, kv0, bt, lens = _setup([5, 30, 2], QL, seed=17, heads=2)
+    lens[2] = bt.shape[1] * PS + 20                      # past the block table: clamped to its capacity
+    kv, kvbuf = guarded(kv0)
+    tm = _window(B, QL, TW, seed=8)
+    tbuf = torch.ones(B + 2 * GUARD, QL, TW + 2 * GUARD, dtype=torch.int8)
+    tview = tbuf[GUARD:GUARD + B, :, GUARD:GUARD + TW]
+    tview.copy_(tm)
+    part, pbuf = guarded(poisoned((B, QL, 2, S, DL), torch.float32))
+    lse, lbuf = guarded(poisoned((B, QL, 2, S), torch.float32))
+    mla.mla_decode_split_tree(q, kv, bt, lens, tview, part, lse, SCALE, QL * 2, DR,
+                              config={"BLOCK_N": 16, "SPLIT_TOKENS": 0})
+    assert guards_intact(kvbuf, kv.shape[0]) and guards_intact(pbuf, B) and guards_intact(lbuf, B)
+    assert not part.isnan().any() and not lse.isnan().any(), "a stray read reached the partials"
+    out = poisoned((B, QL, 2, DL), torch.bfloat16)
+    mla.mla_decode_combine(part, lse, out, QL * 2)
+    torch.testing.assert_close(out.double(), mla.mla_decode_ref(q, kv, bt, lens, SCALE, DL, tree_mask=tm), **TOL)
+    with pytest.raises(ValueError, match="longer than a sequence"):
+        mla.mla_decode(q[:2], kv, bt[:2], lens[:2], SCALE, latent_dim=DL, tree_mask=tm[:2], validate=True)
+
+
 def test_kernels_write_every_element() -> None:
     q, kv, bt, lens = _setup([5, 30], 1, seed=7)
     S = 8  # more splits than the short sequence has tokens: empty splits must still write
@@ -139,6 +247,18 @@ def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="diagonal"):
         mla.mla_decode(torch.randn(1, 2, H, DL + DR).bfloat16(), kv, bt, lens, SCALE, latent_dim=DL,
                        tree_mask=torch.zeros(1, 2, 2, dtype=torch.int8), validate=True)
+    win = _window(1, 2, 5, seed=0)
+    win[0, 1, 4] = 0
+    with pytest.raises(ValueError, match="diagonal"):              # the diagonal of the last q_len columns
+        mla.mla_decode(torch.randn(1, 2, H, DL + DR).bfloat16(), kv, bt, lens, SCALE, latent_dim=DL,
+                       tree_mask=win, validate=True)
+    with pytest.raises(ValueError, match=r"tree_mask must be \[B, q_len, TW\]"):
+        mla.mla_decode(torch.randn(1, 2, H, DL + DR).bfloat16(), kv, bt, lens, SCALE, latent_dim=DL,
+                       tree_mask=torch.ones(1, 2, 1, dtype=torch.int8))
+    with pytest.raises(Exception, match="tree window TW must cover"):   # the tree kernel's own launch check
+        mla.mla_decode_split_tree(torch.randn(1, 2, H, DL + DR).bfloat16(), kv, bt, lens,
+                                  torch.ones(1, 2, 1, dtype=torch.int8), torch.empty(1, 2, H, 1, DL),
+                                  torch.empty(1, 2, H, 1), SCALE, 2 * H, DR)
     with pytest.raises(Exception, match="q_len must be 1..8"):  # the kernel's own launch check
         mla.mla_decode_split(q9, kv, bt, torch.tensor([20], dtype=torch.int32),
                              torch.empty(1, 9, H, 1, DL), torch.empty(1, 9, H, 1), SCALE, 9 * H, DR)

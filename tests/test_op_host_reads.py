@@ -54,14 +54,14 @@ def _paged(B=2, QL=1, H=4, D=48, PS=8, MP=4):
     return bt, lens, NP, PS
 
 
-@pytest.mark.parametrize("q_len,tree", [(1, False), (4, False), (4, True)])
-def test_mla_decode_and_append(q_len: int, tree: bool) -> None:
+@pytest.mark.parametrize("q_len,tree,tw", [(1, False, 0), (4, False, 0), (4, True, 4), (2, True, 5)])
+def test_mla_decode_and_append(q_len: int, tree: bool, tw: int) -> None:
     bt, lens, NP, PS = _paged(QL=q_len)
     kv = _rand(NP, PS, 48, seed=2)
     q = _rand(2, q_len, 4, 48, seed=3)
     new = _rand(3, 48, seed=4)
     slots = torch.tensor([1, -1, 9])
-    tm = torch.ones(2, q_len, q_len, dtype=torch.int8).tril() if tree else None
+    tm = torch.ones(2, q_len, tw, dtype=torch.int8).tril(tw - q_len) if tree else None   # tw > q_len: a draft tree step
     with NoHostReads():
         mla.append_latent(kv, new, slots)
         out = mla.mla_decode(q, kv, bt, lens, 0.3, latent_dim=32, tree_mask=tm)
