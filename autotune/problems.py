@@ -60,6 +60,10 @@ class ProblemModel:
     # the op's batch-invariant launches take every key but LAUNCH_ONLY_KEYS from the M=1 entry at any
     # M (ops._common.invariant_config): the tuner then picks those keys once, jointly over the buckets
     shared_numerics: bool = False
+    # the problem whose M=1 entry sets this problem's numerics keys at run time (a q_len-4 verify
+    # reduces like the q_len-1 decode: ops call invariant_config with it); the tuner then takes that
+    # file's numerics as given and tunes only the launch keys
+    numerics_ref: Callable[[Problem], Problem] | None = None
 
 
 # The context length sets the bytes and the split count of decode attention but is no part of the

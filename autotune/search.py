@@ -93,6 +93,40 @@ def _shared_numerics(kernel: Any, target: Target, prob: dict[str, Any], buckets:
     return min(total, key=lambda nk: (total[nk], per[nk][first], nk))
 
 
+def with_numerics(candidates: list[dict[str, Any]], numerics: tuple) -> list[dict[str, Any]]:
+    """Each candidate's launch keys with the given numerics keys, without repeats, in order."""
+    seen, out = set(), []
+    for c in candidates:
+        c2 = {**{k: v for k, v in c.items() if k in LAUNCH_ONLY_KEYS}, **dict(numerics)}
+        if _cfg_key(c2) not in seen:
+            seen.add(_cfg_key(c2))
+            out.append(c2)
+    return out
+
+
+def _reference_numerics(kernel: Any, target: Target, prob: dict[str, Any], pm: Any, out: str | None
+                        ) -> tuple | None:
+    """The numerics keys of the M=1 entry of the problem `pm.numerics_ref` names, when that is
+    another problem (a verify's q_len-1 decode): its launches run with them whatever this file says.
+    Tune the reference problem first; without its file this problem picks its own tile (warned)."""
+    if pm.numerics_ref is None:
+        return None
+    ref = strip_m(kernel, pm.numerics_ref(dict(prob)))
+    if ref == prob:
+        return None
+    path = os.path.join(out, target.name, os.path.basename(file_path(kernel, target.name, ref))) if out else \
+        file_path(kernel, target.name, ref)
+    if not os.path.exists(path):
+        import warnings
+
+        warnings.warn(f"{kernel.name}: no tuned file for the reference problem {ref} ({path}); tune it first, "
+                      "its M=1 numerics keys are what this problem's launches run with", stacklevel=3)
+        return None
+    entries = load_file(path).get("entries", [])
+    first = next((e for e in entries if str(e.get("bucket")) == "1"), entries[0] if entries else None)
+    return _numerics(first["config"]) if first else None
+
+
 def target_identity(target: Target, measured: bool) -> dict[str, Any]:
     import triton
 
@@ -237,6 +271,10 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
         for c in priors:
             if spaces[b].admits(c) and c not in spaces[b].candidates:
                 spaces[b].candidates.insert(1, c)
+    forced = _reference_numerics(kernel, target, prob, pm, out) if pm.shared_numerics else None
+    if forced is not None:  # every candidate takes the reference tile; only launch keys vary
+        for b in buckets:
+            spaces[b].candidates[:] = with_numerics(spaces[b].candidates, forced)
     # unique compiles: (config, signature class of M)
     # round robin over the buckets, so a budget stop still leaves every bucket candidates
     jobs: dict[tuple, tuple[dict, dict]] = {}
@@ -302,7 +340,7 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     else:
         ex.shutdown(wait=True)
 
-    shared = _shared_numerics(kernel, target, scored_prob, buckets, jobs, reports) \
+    shared = forced if forced is not None else _shared_numerics(kernel, target, scored_prob, buckets, jobs, reports) \
         if pm.shared_numerics and mode == "static" else None
     entries = []
     for b in buckets:

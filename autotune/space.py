@@ -45,11 +45,12 @@ def tunable_domains(kernel: Any, target: Target, static: dict[str, int], m: int 
                     m_block: str | None = "BLOCK_M") -> dict[str, tuple[Any, ...]]:
     """Tunable domains; the M tile is capped at the bucket's M rounded up to a power of two (larger
     tiles only add masked rows), plus the smallest tile >= 16 (the matrix-instruction path) when
-    the bucket is below 16. Tunables declared with `search=False` keep their default."""
+    the bucket is below 16. Tunables declared with `search=False` keep their default; with a tuple
+    of values, only those are tried."""
     specs = kernel.tunables(target, static)
     out = {}
     for name, s in specs.items():
-        dom = tuple(s.domain) if s.search else (s.default,)
+        dom = s.searched()
         if name == m_block and m is not None and all(isinstance(v, int) for v in dom):
             cap = 1 << max(0, (m - 1)).bit_length()
             mma = [v for v in dom if v >= 16]

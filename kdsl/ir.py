@@ -117,7 +117,15 @@ class TunableSpec:
     domain: tuple[Any, ...]
     default: Any
     doc: str = ""
-    search: bool = True  # False: a variant switch (e.g. numerics) that tuners leave at its default
+    # False: a variant switch (e.g. numerics) that tuners leave at its default; a tuple: the values
+    # tuners try (the rest of the domain only by explicit config)
+    search: bool | tuple[Any, ...] = True
+
+    def searched(self) -> tuple[Any, ...]:
+        """The values a tuner tries."""
+        if self.search is True:
+            return self.domain
+        return tuple(self.search) if self.search else (self.default,)
 
 
 @dataclass

@@ -473,14 +473,20 @@ def broadcast(x: Value, axes: Sequence[Value | Axis]) -> Value:
 # ----------------------------------------------------------------------------------------------
 # tunables, dims, grids and ranges
 
-def tunable(name: str, domain: Sequence[Any], default: Any, doc: str = "", search: bool = True) -> Any:
+def tunable(name: str, domain: Sequence[Any], default: Any, doc: str = "",
+            search: bool | Sequence[Any] = True) -> Any:
     """Declare a tunable where it is used; returns its value in the config being traced.
     `search=False` marks a variant switch that changes the numerics (not only the speed): a config
-    may set it, a tuner leaves it at its default."""
+    may set it, a tuner leaves it at its default. A sequence: the values a tuner tries (e.g. only the
+    batch-invariant ones of a domain that also holds a non-invariant mode)."""
     c = ctx()
     domain = tuple(domain)
     if default not in domain:
         raise c.error(f"default {default!r} is not in the domain {domain}", name)
+    if not isinstance(search, bool):
+        search = tuple(search)
+        if not search or any(v not in domain for v in search):
+            raise c.error(f"search values {search} must be a non-empty part of the domain {domain}", name)
     spec = c.tunables.get(name)
     if spec is None:
         c.tunables[name] = TunableSpec(name, domain, default, doc, search)

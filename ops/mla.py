@@ -29,7 +29,18 @@ from ops._common import (check_backend, check_paged, check_paged_lengths, check_
 
 LOG2E = 1.4426950408889634
 MAX_Q_LEN = 8
-MAX_SPLITS = 32
+MAX_SPLITS = 128
+# The split cap of a batch-invariant MLA launch is set so that a query row's partials (heads x splits
+# rows of DL f32) stay bounded: 32 splits at Kimi's 64 heads (one GPU), the full MAX_SPLITS at 8 or
+# 16 heads (TP8 / TP4), where 32 splits leave most CUs idle. A model constant per rank (the heads),
+# so a row's numerics still depend on neither the batch nor q_len.
+MAX_SPLIT_ROWS = 2048
+DEFAULT_MAX_SPLITS = 32  # paged MHA: its split cap
+
+
+def max_splits_for(heads: int) -> int:
+    """The split cap of an MLA launch with `heads` query heads per rank (see MAX_SPLIT_ROWS)."""
+    return max(1, min(MAX_SPLITS, MAX_SPLIT_ROWS // max(1, heads)))
 NEG_BIG = -1.0e30  # finite "minus infinity" for the running max: keeps exp2(m_old - m_new) finite
 
 
@@ -68,22 +79,32 @@ def store_split(part, lse, idx, cols, m_i, l_i, acc):
     lse[idx] = kd.where(has, m_i + kd.log2(kd.where(has, l_i, 1.0)), float("-inf"))
 
 
-def split_range(n_len, split, QL, BN):
+def kernel_max_splits(heads):
+    """max_splits_for(heads) inside a kernel, where the heads are a runtime dim."""
+    if isinstance(heads, int):
+        return max_splits_for(heads)
+    return kd.minimum(kd.maximum(MAX_SPLIT_ROWS // kd.maximum(heads, 1), 1), MAX_SPLITS)
+
+
+def split_range(n_len, split, QL, BN, max_splits=DEFAULT_MAX_SPLITS):
     """This split's token range [start, stop) of a sequence of n_len cached tokens (QL new).
 
     SPLIT_TOKENS > 0 (batch-invariant, the default): chunks of a fixed size, SPLIT_TOKENS or, for a
-    context too long for MAX_SPLITS chunks of that size, the context / MAX_SPLITS rounded up to
+    context too long for `max_splits` chunks of that size, the context / max_splits rounded up to
     BLOCK_N, where the context is that of the first new row (n_len - QL + 1) plus MAX_Q_LEN - 1: so
     the boundaries depend on neither the batch, nor the grid's split count, nor q_len (a q_len-4
     verify's row 0 and the q_len-1 decode of the same context reduce in the same order).
     SPLIT_TOKENS = 0: the sequence cut into S chunks rounded up to BLOCK_N (fewer splits at large
     batch, but a row's numerics then follow the batch's split count)."""
-    st = kd.tunable("SPLIT_TOKENS", (0, 128, 256, 512, 1024), 256,
-                    "tokens per KV split (0: the length cut into S splits; numerics then depend on S)", search=False)
+    # searched among the batch-invariant sizes only (0 sets numerics by the batch); the tuner picks
+    # it with the other numerics keys, once for every M bucket of a problem
+    st = kd.tunable("SPLIT_TOKENS", (0, 64, 128, 256, 512, 1024), 256,
+                    "tokens per KV split (0: the length cut into S splits; numerics then depend on S)",
+                    search=(64, 128, 256, 512))
     if st:
         kd.require(st % BN == 0, "SPLIT_TOKENS must be a multiple of BLOCK_N", "SPLIT_TOKENS")
         ctx = n_len - QL + MAX_Q_LEN
-        chunk = kd.maximum(kd.cdiv(kd.cdiv(kd.maximum(ctx, 1), MAX_SPLITS), BN) * BN, st)
+        chunk = kd.maximum(kd.cdiv(kd.cdiv(kd.maximum(ctx, 1), max_splits), BN) * BN, st)
     else:
         chunk = kd.cdiv(kd.cdiv(n_len, kd.dim("S")), BN) * BN
     start = kd.minimum(split * chunk, n_len)
@@ -119,7 +140,7 @@ def _split_body(q, kv, block_table, seq_lens, tree, part, lse, sm_scale):
     dl = kd.full_range("DL")
     dr = kd.full_range("DR")
     n_len = cached_len(seq_lens, b, kd.dim("MP"), PS)
-    start, stop = split_range(n_len, split, QL, BN)
+    start, stop = split_range(n_len, split, QL, BN, kernel_max_splits(H))
     ql = q[b, r, h, dl]
     qr = q[b, r, h, dr + DL]
     base = n_len - QL  # first new token's position
@@ -231,7 +252,7 @@ def mla_cache_append(new: kd.In["NT", "DQ", kd.bf16], slots: kd.In["NT", kd.i64]
 # ---------------------------------------------------------------------------------------------
 # host side
 
-def invariant_splits(capacity: int, split_tokens: int = 256, max_splits: int = MAX_SPLITS) -> int:
+def invariant_splits(capacity: int, split_tokens: int = 256, max_splits: int = DEFAULT_MAX_SPLITS) -> int:
     """The grid's split count of a batch-invariant launch (SPLIT_TOKENS > 0): enough fixed-size
     chunks for the table's capacity (block-table width x page size, a host int), at most
     `max_splits` (longer contexts then get longer chunks, see `split_range`). It depends on neither
@@ -241,7 +262,7 @@ def invariant_splits(capacity: int, split_tokens: int = 256, max_splits: int = M
 
 def num_splits(seq_lens: torch.Tensor | list[int] | int, q_len: int, heads: int, block_m: int = 16,
                cu_count: int | None = None, block_n: int = 32, min_tokens_per_split: int = 256,
-               max_splits: int = MAX_SPLITS) -> int:
+               max_splits: int = DEFAULT_MAX_SPLITS) -> int:
     """Number of KV splits of a launch that is not batch-invariant (`invariant=False`).
 
     Without splitting the grid has B * cdiv(q_len*H, BLOCK_M) programs; decode at small batch
@@ -269,37 +290,41 @@ def num_splits(seq_lens: torch.Tensor | list[int] | int, q_len: int, heads: int,
 
 
 def split_plan(kern: Any, cfg: dict[str, Any], static: dict[str, int], batch: int, capacity: int, heads_rows: int,
-               block_m: int, splits: int | None, invariant: bool, cu_count: int | None, op: str) -> int:
+               block_m: int, splits: int | None, invariant: bool, cu_count: int | None, op: str,
+               max_splits: int = DEFAULT_MAX_SPLITS) -> int:
     """The split count S of a decode launch and the SPLIT_TOKENS the kernel runs with (set in
     `cfg`): from host ints only (the table capacity, the batch, the CU count), never from the
     lengths on the device. An explicit `splits` cuts each sequence into that many chunks (the
-    kernel's SPLIT_TOKENS=0 mode) unless `cfg` sets SPLIT_TOKENS itself."""
+    kernel's SPLIT_TOKENS=0 mode) unless `cfg` sets SPLIT_TOKENS itself. `max_splits`: the cap the
+    kernel's split_range uses (MLA: max_splits_for(heads))."""
     tun = kern.tunables(static=static)
     bn = cfg.get("BLOCK_N", tun["BLOCK_N"].default)
     if splits is not None:
-        if not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
-            raise ValueError(f"{op}: splits must be an int in 1..{MAX_SPLITS}, got {splits!r}")
+        if not isinstance(splits, int) or not 1 <= splits <= max_splits:
+            raise ValueError(f"{op}: splits must be an int in 1..{max_splits}, got {splits!r}")
         cfg.setdefault("SPLIT_TOKENS", 0)
         st = cfg["SPLIT_TOKENS"]
-        if st and splits < invariant_splits(capacity, st):
-            raise ValueError(f"{op}: splits={splits} is below the {invariant_splits(capacity, st)} chunks of "
+        if st and splits < invariant_splits(capacity, st, max_splits):
+            raise ValueError(f"{op}: splits={splits} is below the {invariant_splits(capacity, st, max_splits)} chunks of "
                              f"SPLIT_TOKENS={st} that a {capacity}-token table needs")
         return splits
     if invariant:
         cfg.setdefault("SPLIT_TOKENS", tun["SPLIT_TOKENS"].default)
     else:
         cfg["SPLIT_TOKENS"] = 0
-    return launch_split_count(capacity, batch, heads_rows, block_m, bn, cfg["SPLIT_TOKENS"], cu_count)
+    return launch_split_count(capacity, batch, heads_rows, block_m, bn, cfg["SPLIT_TOKENS"], cu_count, max_splits)
 
 
 def launch_split_count(capacity: int, batch: int, rows_per_seq: int, block_m: int, block_n: int,
-                       split_tokens: int = 256, cu_count: int | None = None) -> int:
+                       split_tokens: int = 256, cu_count: int | None = None,
+                       max_splits: int = DEFAULT_MAX_SPLITS) -> int:
     """The split count a decode launch uses (for problem models: pass the context as `capacity`):
     SPLIT_TOKENS > 0 (batch-invariant) -> `invariant_splits`; 0 -> `num_splits` for the CUs.
     `rows_per_seq`: query rows x heads one sequence puts on the grid's M axis (MLA: q_len x H)."""
     if split_tokens:
-        return invariant_splits(capacity, split_tokens)
-    return num_splits([capacity] * batch, 1, rows_per_seq, block_m, cu_count=cu_count, block_n=block_n)
+        return invariant_splits(capacity, split_tokens, max_splits)
+    return num_splits([capacity] * batch, 1, rows_per_seq, block_m, cu_count=cu_count, block_n=block_n,
+                      max_splits=max_splits)
 
 
 def _check(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -419,7 +444,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     bm = cfg.get("BLOCK_M", 16)
     cap = block_table.shape[1] * kv_cache.shape[1]
     S = split_plan(mla_decode_split, cfg, {"QL": QL, "DL": latent_dim, "DR": DR}, B, cap, QL * H, bm, splits,
-                   invariant, cu_count, "mla_decode")
+                   invariant, cu_count, "mla_decode", max_splits_for(H))
     part = torch.empty(B, QL, H, S, latent_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, QL, H, S, dtype=torch.float32, device=q.device)
     bt = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)

@@ -14,7 +14,7 @@ import math
 from typing import Any, Callable
 
 from autotune.problems import NOMINAL_CTX, Problem, ProblemModel, register
-from ops.mla import MAX_Q_LEN, MAX_SPLITS, launch_split_count
+from ops.mla import DEFAULT_MAX_SPLITS, MAX_Q_LEN, launch_split_count, max_splits_for
 from ops.moe import route_split
 
 def _gemm(wb: float, ab: float, peak: str, group: int = 0) -> tuple[Callable, Callable]:
@@ -236,12 +236,12 @@ def _mla_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
     return {**_paged_dims(p, m), "QH": p["QL"] * p["H"], "DQ": p["DL"] + p["DR"]}
 
 
-def _split_chunk(ctx: int, s: int, bn: int, split_tokens: int = 0) -> int:
+def _split_chunk(ctx: int, s: int, bn: int, split_tokens: int = 0, max_splits: int = DEFAULT_MAX_SPLITS) -> int:
     """Tokens one split walks (ops.mla.split_range): batch-invariant (SPLIT_TOKENS > 0) chunks of
-    SPLIT_TOKENS, or of the context over MAX_SPLITS rounded up to BLOCK_N when that is longer; with
-    SPLIT_TOKENS 0 the length cut into S chunks rounded up to BLOCK_N."""
+    SPLIT_TOKENS, or of the context over `max_splits` rounded up to BLOCK_N when that is longer;
+    with SPLIT_TOKENS 0 the length cut into S chunks rounded up to BLOCK_N."""
     if split_tokens:
-        return max(split_tokens, math.ceil(math.ceil((ctx + MAX_Q_LEN - 1) / MAX_SPLITS) / bn) * bn)
+        return max(split_tokens, math.ceil(math.ceil((ctx + MAX_Q_LEN - 1) / max_splits) / bn) * bn)
     return math.ceil(math.ceil(ctx / s) / bn) * bn
 
 
@@ -249,8 +249,15 @@ def _mla_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
     """The split count `ops.mla.mla_decode` launches with (same call), and the tokens per split."""
     bm, bn = int(c.get("BLOCK_M", 16)), int(c.get("BLOCK_N", 32))
     st = int(c.get("SPLIT_TOKENS", 256))
-    s = launch_split_count(_ctx(d), d["B"], d["QL"] * d["H"], bm, bn, st, target.cu_count)
-    return {"S": s, "CHUNK": _split_chunk(_ctx(d), s, bn, st)}
+    ms = max_splits_for(d["H"])
+    s = launch_split_count(_ctx(d), d["B"], d["QL"] * d["H"], bm, bn, st, target.cu_count, ms)
+    return {"S": s, "CHUNK": _split_chunk(_ctx(d), s, bn, st, ms)}
+
+
+def _decode_ref(p: Problem) -> Problem:
+    """Decode attention's numerics come from the q_len-1 problem (ops.mla.mla_decode and
+    ops.mha.paged_mha_decode: invariant_config with QL 1), so a verify row reduces like decode."""
+    return {**p, "QL": 1}
 
 
 def _split_partials(p: Problem, m: int, d: Problem) -> float:
@@ -269,7 +276,8 @@ def _combine_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Probl
     split kernel's default tiles (BLOCK_M 16, BLOCK_N 64) at the problem's context."""
     if "S" in d:
         return {}
-    return {"S": launch_split_count(_ctx(d), d["B"], d["QL"] * d["H"], 16, 32, 256, target.cu_count)}
+    return {"S": launch_split_count(_ctx(d), d["B"], d["QL"] * d["H"], 16, 32, 256, target.cu_count,
+                                    max_splits_for(d["H"]))}
 
 
 def _batch_rows(d: Problem) -> int:
@@ -309,11 +317,11 @@ MODELS += [
     ProblemModel("mla_decode_split*", ("QL", "H", "DL", "DR", "PS"), peak_dtype="bf16", bytes_fn=_mla_bytes,
                  flops_fn=_mla_flops, derived=_mla_derived, launch_dims=_mla_launch, loop_dim="CHUNK",
                  loop_block="BLOCK_N", reuse_dim="QH", shared_bytes_fn=_mla_kv_bytes, m_block=None,
-                 extra_bytes_fn=_split_partials, m_of=_batch_rows),
+                 extra_bytes_fn=_split_partials, m_of=_batch_rows, shared_numerics=True, numerics_ref=_decode_ref),
     ProblemModel("mha_decode", ("QL", "HQ", "KVH", "D", "PS"), peak_dtype="bf16", bytes_fn=_mha_bytes,
                  flops_fn=_mha_flops, derived=_mha_derived, launch_dims=_mha_launch, loop_dim="CHUNK",
                  loop_block="BLOCK_N", reuse_dim="QG", shared_bytes_fn=_mha_kv_bytes, m_block=None,
-                 m_of=_batch_rows),
+                 m_of=_batch_rows, shared_numerics=True, numerics_ref=_decode_ref),
 ]
 
 
@@ -451,7 +459,7 @@ def _combine_uv_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Pr
     context), unless the recorded launch bound one."""
     if "S" in d:
         return {}
-    return {"S": launch_split_count(_ctx(d), m, d["H"], 16, 32, 256, target.cu_count)}
+    return {"S": launch_split_count(_ctx(d), m, d["H"], 16, 32, 256, target.cu_count, max_splits_for(d["H"]))}
 
 
 MLA_FUSED_MODELS = [

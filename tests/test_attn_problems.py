@@ -42,9 +42,10 @@ def test_mla_launch_dims_match_the_op(arch: str, ql: int, m: int) -> None:
     assert (d["B"], d["QH"], d["DQ"], d["MP"]) == (b, 64 * ql, 576, P.NOMINAL_CTX // 64)
     assert d["S"] == mla.launch_split_count(P.NOMINAL_CTX, b, ql * 64, 32, 64, 256, t.cu_count)
     assert d["S"] == mla.invariant_splits(P.NOMINAL_CTX, 256) == P.NOMINAL_CTX // 256
-    # ops.mla.split_range: SPLIT_TOKENS, or (context + MAX_Q_LEN - 1) / MAX_SPLITS rounded up to
-    # BLOCK_N when that is longer (8199 / 32 -> 257 -> 320 at ctx 8192)
-    chunk = max(256, math.ceil(math.ceil((P.NOMINAL_CTX + mla.MAX_Q_LEN - 1) / mla.MAX_SPLITS) / 64) * 64)
+    # ops.mla.split_range: SPLIT_TOKENS, or (context + MAX_Q_LEN - 1) / max_splits rounded up to
+    # BLOCK_N when that is longer (64 heads: 32 splits; 8199 / 32 -> 257 -> 320 at ctx 8192)
+    assert mla.max_splits_for(64) == 32
+    chunk = max(256, math.ceil(math.ceil((P.NOMINAL_CTX + mla.MAX_Q_LEN - 1) / 32) / 64) * 64)
     assert d["CHUNK"] == chunk == 320
     assert P.loop_iters(mla.mla_decode_split, d, cfg) == chunk // 64
     # SPLIT_TOKENS 0: the CU-derived split count; each split walks cdiv(ctx, S) rounded up to BLOCK_N
@@ -54,6 +55,20 @@ def test_mla_launch_dims_match_the_op(arch: str, ql: int, m: int) -> None:
     assert d["S"] == want
     assert d["CHUNK"] == math.ceil(math.ceil(P.NOMINAL_CTX / want) / 64) * 64
     assert P.loop_iters(mla.mla_decode_split, d, cfg0) == d["CHUNK"] // 64
+
+
+@pytest.mark.parametrize("heads, splits", [(8, 64), (16, 64), (32, 64), (64, 32), (128, 16)])
+def test_mla_split_cap_follows_the_heads(heads: int, splits: int) -> None:
+    """Fewer heads per rank (TP8: 8) may cut the context into more splits (up to MAX_SPLITS): the
+    partials a row writes (heads x splits) stay under MAX_SPLIT_ROWS. SPLIT_TOKENS 128 at 8k."""
+    t = get_target("gfx942")
+    assert mla.max_splits_for(heads) == min(mla.MAX_SPLITS, mla.MAX_SPLIT_ROWS // heads)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_TOKENS": 128}
+    d = P.full_dims(mla.mla_decode_split, {**KIMI_MLA, "QL": 1, "H": heads}, 2, cfg, t)
+    assert d["S"] == splits
+    cap = mla.max_splits_for(heads)
+    assert d["CHUNK"] == max(128, math.ceil(math.ceil((P.NOMINAL_CTX + mla.MAX_Q_LEN - 1) / cap) / 64) * 64)
+    assert d["S"] * d["CHUNK"] >= P.NOMINAL_CTX   # the splits cover the table's capacity
 
 
 def test_mha_launch_dims_match_the_op() -> None:
@@ -89,8 +104,9 @@ def test_space_keeps_numerics_switch_and_does_not_cap_the_head_tile() -> None:
     """PV_F32 changes the numerics: the tuner leaves it at 0. BLOCK_M tiles heads, not batch x
     q_len: a bucket of 1 still tries every head tile."""
     t = get_target("gfx942")
-    sp = build(mla.mla_decode_split, t, {"QL": 1, "DL": 512, "DR": 64}, 1, seed=0, m_block=None)
+    sp = build(mla.mla_decode_split, t, {"QL": 1, "DL": 512, "DR": 64}, 1, seed=0, max_candidates=4, m_block=None)
     assert sp.domains["PV_F32"] == (0,)
+    assert sp.domains["SPLIT_TOKENS"] == (64, 128, 256, 512)  # searched, but never 0 (batch-dependent)
     assert set(sp.domains["BLOCK_M"]) == {16, 32, 64}
     assert set(sp.domains["KV_ROWS"]) == {0, 1}
     assert P.model_for(mla.mla_decode_split).m_block is None

@@ -385,3 +385,29 @@ def test_shared_numerics_picks_one_tile_for_every_bucket(monkeypatch):
     times[(1, 8)] = 12.0                             # now the small tile costs little at M=8: it wins
     assert dict(search._shared_numerics(K, get_target("gfx942"), PROB, [1, 8], jobs, reports)) == small
     assert search._numerics({"BLOCK_M": 16, "num_warps": 8, "num_stages": 2}) == (("BLOCK_M", 16),)
+
+
+def test_verify_problem_tunes_with_the_decode_files_numerics(tmp_path):
+    """A q_len-4 MLA problem runs with the numerics keys of the q_len-1 file's M=1 entry
+    (invariant_config): the tuner takes them as given and varies only the launch keys."""
+    from autotune import search
+    from ops import mla
+
+    K_ = mla.mla_decode_split
+    pm = model_for(K_)
+    t = get_target("gfx942")
+    p1 = {"QL": 1, "H": 8, "DL": 512, "DR": 64, "PS": 64}
+    num = {"BLOCK_M": 16, "BLOCK_N": 64, "KV_ROWS": 1, "PV_F32": 0, "SPLIT_TOKENS": 128, "kpack": 1,
+           "matrix_instr_nonkdim": 0}
+    doc = _doc([(1, {**num, "num_warps": 8}), (8, {**num, "BLOCK_N": 32, "num_warps": 4})],
+               kernel=K_.name, problem=p1)
+    _write(str(tmp_path), doc, store.file_name(K_, p1))
+    assert search._reference_numerics(K_, t, p1, pm, str(tmp_path)) is None        # its own reference
+    forced = search._reference_numerics(K_, t, {**p1, "QL": 4}, pm, str(tmp_path))
+    assert dict(forced) == num                                                      # the M=1 entry's
+    cands = [{**num, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}, {**num, "num_warps": 4, "num_stages": 2},
+             {**num, "SPLIT_TOKENS": 256, "num_warps": 8, "num_stages": 1}]
+    out = search.with_numerics(cands, forced)
+    assert out == [{**num, "num_warps": 4, "num_stages": 2}, {**num, "num_warps": 8, "num_stages": 1}]
+    with pytest.warns(UserWarning, match="tune it first"):
+        assert search._reference_numerics(K_, t, {**p1, "QL": 4, "H": 16}, pm, str(tmp_path)) is None

@@ -220,3 +220,13 @@ def test_span_power_of_two():
 
     with pytest.raises(TraceError, match="power of two, got 24"):
         trace(body)
+
+
+def test_tunable_search_values_are_a_part_of_the_domain():
+    """search=(values...) names what a tuner tries; a value outside the domain is refused."""
+    c, v = trace(lambda o: kd.tunable("ST", (0, 64, 128), 64, search=(64, 128)))
+    assert v == 64 and c.tunables["ST"].searched() == (64, 128)
+    c, _ = trace(lambda o: kd.tunable("PV", (0, 1), 0, search=False))
+    assert c.tunables["PV"].searched() == (0,)
+    with pytest.raises(TraceError, match="search values"):
+        trace(lambda o: kd.tunable("ST", (0, 64), 64, search=(64, 256)))
