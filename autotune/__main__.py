@@ -406,6 +406,15 @@ def cmd_tune_model_draft(a: argparse.Namespace) -> int:
 
 
 
+def _takes_numerics_from_another(kernel: Any, prob: dict[str, Any]) -> bool:
+    """Whether `prob` runs with another problem's numerics keys (a verify's q_len-1 decode file):
+    those reference problems are tuned first (a stable sort keeps the rest in step order)."""
+    from .problems import model_for, strip_m
+
+    ref = model_for(kernel).numerics_ref
+    return ref is not None and strip_m(kernel, ref(dict(prob))) != strip_m(kernel, prob)
+
+
 def _tune_problems(a: argparse.Namespace, probs: list, out: str | None, ms: list[Any]) -> int:
     """Tune each (kernel, problem, smallest M) of a recorded step (target or draft) at the M buckets it
     can use: buckets below the smallest M of the launch (q_len 4 attention, the draft's extend: M >= 4)
@@ -415,7 +424,7 @@ def _tune_problems(a: argparse.Namespace, probs: list, out: str | None, ms: list
     from .store import file_path, load_file
 
     only = set(x.strip() for x in a.only.split(",")) if a.only else None
-    for kern, prob, m_min in probs:
+    for kern, prob, m_min in sorted(probs, key=lambda t: _takes_numerics_from_another(t[0], t[1])):
         if only and kern.name not in only:
             continue
         lo = bucket_for(max(1, m_min))       # the extend's launches (q_len k+1) never run below M = k+1

@@ -409,5 +409,8 @@ def test_verify_problem_tunes_with_the_decode_files_numerics(tmp_path):
              {**num, "SPLIT_TOKENS": 256, "num_warps": 8, "num_stages": 1}]
     out = search.with_numerics(cands, forced)
     assert out == [{**num, "num_warps": 4, "num_stages": 2}, {**num, "num_warps": 8, "num_stages": 1}]
+    from autotune.__main__ import _takes_numerics_from_another as later  # tune-model tunes q_len 1 first
+    probs = [{**p1, "QL": 4}, p1]
+    assert sorted(probs, key=lambda p: later(K_, p)) == [p1, {**p1, "QL": 4}]
     with pytest.warns(UserWarning, match="tune it first"):
         assert search._reference_numerics(K_, t, {**p1, "QL": 4, "H": 16}, pm, str(tmp_path)) is None
