@@ -13,10 +13,10 @@ The new rows' latent KV rows are appended to the paged cache and attention is ca
 
 MLA uses the absorbed form everywhere: q_nope is folded through W_UK into a kv_lora_rank-wide latent
 query and attention runs over the 576-wide (for Kimi) latent cache, W_UV is applied afterwards.
-With backend="triton" the MLA half is 7 launches (ops.mla_fused: the norms, k rope and cache append
-in one kernel reading the q_a|kv_a output in place, W_UK with the q rope in one, the split combine
-with W_UV in one; see `_MLA._fused`); with "torch" it is the same math in the model dtype over every
-row the block table reaches (masked).
+With backend="triton" the MLA half is 6 launches (the q_a norm in the q_b GEMM's prologue reading the
+q_a|kv_a output in place, W_UK with the q rope and the kv norm, k rope and cache append in one, the
+split combine with W_UV in one; ops.mla_fused, see `_MLA._fused`); with "torch" it is the same math in
+the model dtype over every row the block table reaches (masked).
 
 Aux hidden states (models.config docstring): for every processed token, the residual stream
 ENTERING each layer of `capture_ids` (id N = the output of the last layer, before the final norm),

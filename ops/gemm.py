@@ -173,7 +173,7 @@ def gemm_bf16_rmsnorm_kernel(x: kd.In["M", "K", kd.bf16], xw: kd.In["K", kd.bf16
     order of ops.mla_fused.mla_prep_qkv), then scales each A tile by rstd * xw and rounds it to bf16
     before the dot, the expressions and rounding of that kernel's q_c."""
     m, n = _tiles()
-    nk = kd.tiles("K", block="NORM_K", domain=NORM_K_DOMAIN, default=2048, label="kn")
+    nk = kd.tiles("K", block="NORM_K", domain=NORM_K_DOMAIN, default=256, label="kn")
 
     def squares(k, s):
         v = x[m, k].to(kd.f32)

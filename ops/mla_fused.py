@@ -1,22 +1,27 @@
 """The MLA block's small steps fused around the two GEMMs and the attention, written in kdsl.
 
-An MLA layer of the decode step (models.kimi._MLA, absorbed form) runs
-    qkv_a GEMM -> [mla_prep] -> q_b GEMM -> [mla_q_absorb] -> mla_decode_split -> [mla_combine_uv] -> o_proj
+An MLA layer of the decode step (models.kimi._MLA, absorbed form, a bf16 q_b) runs
+    qkv_a GEMM -> q_b GEMM [+ q_a RMSNorm] -> [mla_q_absorb_kv] -> mla_decode_split -> [mla_combine_uv] -> o_proj
 where each bracketed kernel replaces several launches of the unfused path:
-- `mla_prep_qkv` reads the q_a|kv_a GEMM's output row [q_lora | C | r] in place (strided, no copy),
-  writes q_c = RMSNorm(q part) * w_q, and writes the new latent cache row
-  RMSNorm(kv part) * w_kv | rope(k_pe) straight into the paged cache at the row's flat slot
-  (clone, two norms, the k rope, the concat and the cache append). `mla_prep_kv` is the same
-  without the q part (configs with q_lora_rank 0 that project q directly).
-- `mla_q_absorb` folds q_nope through W_UK per head (a batched-per-head GEMM, f32 accumulate) and
-  ropes q_pe into the absorbed query [T, H, C + r] (clone, rope, batched GEMM, concat).
+- the q_b GEMM (ops.gemm.gemm_bf16_rmsnorm) reads the raw q_a rows of the q_a|kv_a output in place
+  (strided, no copy) and computes q_c = RMSNorm(q part) * w_q in its prologue.
+- `mla_q_absorb_kv` folds q_nope through W_UK per head (a batched-per-head GEMM, f32 accumulate)
+  and ropes q_pe into the absorbed query [T, H, C + r] (clone, rope, batched GEMM, concat); its
+  head-0 program of the first latent tile also writes the new latent cache row
+  RMSNorm(kv part) * w_kv | rope(k_pe) straight into the paged cache at the row's flat slot (the
+  kv clone, norm, k rope, concat and cache append), one writer per row.
 - `mla_combine_uv` (ops.mla.mla_decode with `w_uv`) merges the KV splits of each (row, head) in
   split order, exactly as `mla_decode_combine`, rounds the latent output to bf16 and multiplies it
   by W_UV[h] in the same program, writing o [T, H, v], the layout o_proj reads.
+A quantized q_b or a separate q_a / kv_a (no q_a|kv_a GEMM) keep the older front: `mla_prep_qkv`
+(both norms, the k rope and the cache append from the q_a|kv_a row; `mla_prep_kv` without the q part
+for configs with q_lora_rank 0), the q_b GEMM, then `mla_q_absorb` (W_UK and the q rope alone).
 
 Rounding follows the unfused ops: the normed rows and the roped values are computed with the same
 f32 expressions and rounded to bf16 where those kernels store, so the cache row and q_c equal the
-unfused path bit for bit; the absorbed products accumulate in f32 and round once to bf16.
+unfused path bit for bit (q_c inside gemm_bf16_rmsnorm: where its NORM_K tile covers K, else the
+f32 sum of squares runs in another order and a q_c element may differ by one bf16 ulp); the
+absorbed products accumulate in f32 and round once to bf16.
 """
 from __future__ import annotations
 
