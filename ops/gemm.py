@@ -8,6 +8,7 @@ Weights are [N, K], K-contiguous (the checkpoint layout). Kernels:
 - gemm_w4a8_order  the same with Quark sequential ("order") packing
 - gemm_w4a8_i32acc the W4A8 main loop storing the raw i32 accumulator (tests it exactly)
 - gemm_bf16_silu_mul  bf16 gate|up GEMM over stacked [2I, K] weights, SiLU(gate)*up epilogue -> bf16 [M, I]
+- gemm_bf16_rmsnorm   bf16 GEMM over RMSNorm(x) * norm weight, the norm in a prologue (MLA's q_b over raw q_a rows)
 - gemm_w4a16       bf16 act x int4 compressed-tensors weight, bf16 group-32 scales [N, K/32]
 The int paths accumulate exactly in int32 and apply `acc * x_scale[m] * w_scale[n]` in f32 once.
 
@@ -160,8 +161,36 @@ def gemm_bf16_silu_mul_kernel(x: kd.In["M", "K", kd.bf16], w13: kd.In["N2", "K",
     out[m, n] = kd.silu(ag.to(kd.bf16).to(kd.f32)) * au.to(kd.bf16).to(kd.f32)
 
 
+NORM_K_DOMAIN = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@kd.kernel(name="gemm_bf16_rmsnorm", example={"M": 1, "N": 12288, "K": 1536})
+def gemm_bf16_rmsnorm_kernel(x: kd.In["M", "K", kd.bf16], xw: kd.In["K", kd.bf16], w: kd.In["N", "K", kd.bf16],
+                             out: kd.Out["M", "N", kd.bf16], eps: kd.Scalar[kd.f32]):
+    """out = bf16(rmsnorm(x) * xw) @ w^T: the norm in a prologue, so the normed rows never leave the
+    program (MLA's q_b GEMM reads the raw q_a rows of the q_a|kv_a output in place). Each program
+    sums its rows' squares over K in f32 (NORM_K-wide tiles: at NORM_K >= K one reduction, the
+    order of ops.mla_fused.mla_prep_qkv), then scales each A tile by rstd * xw and rounds it to bf16
+    before the dot, the expressions and rounding of that kernel's q_c."""
+    m, n = _tiles()
+    nk = kd.tiles("K", block="NORM_K", domain=NORM_K_DOMAIN, default=256, label="kn")
+
+    def squares(k, s):
+        v = x[m, k].to(kd.f32)
+        return s + kd.sum(v * v, axis=k)
+
+    ss = kd.fold(nk, kd.zeros((m,), kd.f32), squares)
+    rstd = kd.rsqrt(ss / kd.dim("K") + eps)
+
+    def body(k, acc):
+        a = (x[m, k].to(kd.f32) * rstd * xw[k].to(kd.f32)).to(kd.bf16)
+        return acc + kd.dot(a, w[n, k])
+
+    out[m, n] = kd.fold(_k(64), kd.zeros((m, n), kd.f32), body)
+
+
 KERNELS = (gemm_bf16_kernel, gemm_fp8_kernel, gemm_w8a8_kernel, gemm_w4a8_kernel, gemm_w4a8_order_kernel,
-           gemm_w4a8_i32acc_kernel, gemm_w4a16_kernel, gemm_bf16_silu_mul_kernel)
+           gemm_w4a8_i32acc_kernel, gemm_w4a16_kernel, gemm_bf16_silu_mul_kernel, gemm_bf16_rmsnorm_kernel)
 W4A8_KERNELS = {"quark_reorder": gemm_w4a8_kernel, "quark_order": gemm_w4a8_order_kernel}
 
 
@@ -371,4 +400,42 @@ def gemm_bf16_silu_mul(x: torch.Tensor, w13: torch.Tensor, backend: str = "trito
     out = torch.empty(M, N2 // 2, dtype=torch.bfloat16, device=x.device)
     if M:
         gemm_bf16_silu_mul_kernel(x, w13, out, config=config)
+    return out
+
+
+def gemm_bf16_rmsnorm_ref(x: torch.Tensor, x_norm_w: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """gemm_bf16_ref over rmsnorm_ref(x, x_norm_w) (the normed rows rounded to bf16 first)."""
+    from ops.norm import rmsnorm_ref
+
+    return gemm_bf16_ref(rmsnorm_ref(x, x_norm_w, eps), w)
+
+
+def gemm_bf16_rmsnorm(x: torch.Tensor, x_norm_w: torch.Tensor, w: torch.Tensor, eps: float, backend: str = "triton",
+                      config: dict | None = None, invariant: bool = True) -> torch.Tensor:
+    """bf16(rmsnorm(x) * x_norm_w) [M, K] @ w [N, K]^T -> bf16 [M, N] in one launch: the norm of
+    each row (f32, over all K) in the GEMM's prologue. x may be a strided view (any row stride, last
+    dim contiguous), e.g. the q_a columns of the q_a|kv_a GEMM output. `invariant` (default): the
+    M=1 tiles at every M, as `gemm_bf16`."""
+    import math
+
+    name = "gemm_bf16_rmsnorm"
+    _backend(name, backend)
+    M, N, K = _dims(name, x, w)
+    check_tensor(name, "x", x, 2, (torch.bfloat16,))
+    check_tensor(name, "w", w, 2, (torch.bfloat16,))
+    check_tensor(name, "x_norm_w", x_norm_w, 1, (torch.bfloat16,), x.device, contiguous=True)
+    if x_norm_w.shape[0] != K:
+        raise ValueError(f"{name}: x_norm_w must be [K={K}], got {tuple(x_norm_w.shape)}")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{name}: eps must be a finite number >= 0, got {eps!r}")
+    if backend == "torch":
+        return gemm_bf16_rmsnorm_ref(x, x_norm_w, w, eps)
+    problem = {"N": N, "K": K}
+    if invariant:
+        config = invariant_config(gemm_bf16_rmsnorm_kernel, problem, M, config)
+    elif config is None:
+        config = lookup_config(gemm_bf16_rmsnorm_kernel, kd.current_target().name, problem, max(M, 1))
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    if M:
+        gemm_bf16_rmsnorm_kernel(x, x_norm_w, w, out, float(eps), config=config)
     return out

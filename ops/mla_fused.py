@@ -1,22 +1,27 @@
 """The MLA block's small steps fused around the two GEMMs and the attention, written in kdsl.
 
-An MLA layer of the decode step (models.kimi._MLA, absorbed form) runs
-    qkv_a GEMM -> [mla_prep] -> q_b GEMM -> [mla_q_absorb] -> mla_decode_split -> [mla_combine_uv] -> o_proj
+An MLA layer of the decode step (models.kimi._MLA, absorbed form, a bf16 q_b) runs
+    qkv_a GEMM -> q_b GEMM [+ q_a RMSNorm] -> [mla_q_absorb_kv] -> mla_decode_split -> [mla_combine_uv] -> o_proj
 where each bracketed kernel replaces several launches of the unfused path:
-- `mla_prep_qkv` reads the q_a|kv_a GEMM's output row [q_lora | C | r] in place (strided, no copy),
-  writes q_c = RMSNorm(q part) * w_q, and writes the new latent cache row
-  RMSNorm(kv part) * w_kv | rope(k_pe) straight into the paged cache at the row's flat slot
-  (clone, two norms, the k rope, the concat and the cache append). `mla_prep_kv` is the same
-  without the q part (configs with q_lora_rank 0 that project q directly).
-- `mla_q_absorb` folds q_nope through W_UK per head (a batched-per-head GEMM, f32 accumulate) and
-  ropes q_pe into the absorbed query [T, H, C + r] (clone, rope, batched GEMM, concat).
+- the q_b GEMM (ops.gemm.gemm_bf16_rmsnorm) reads the raw q_a rows of the q_a|kv_a output in place
+  (strided, no copy) and computes q_c = RMSNorm(q part) * w_q in its prologue.
+- `mla_q_absorb_kv` folds q_nope through W_UK per head (a batched-per-head GEMM, f32 accumulate)
+  and ropes q_pe into the absorbed query [T, H, C + r] (clone, rope, batched GEMM, concat); its
+  head-0 program of the first latent tile also writes the new latent cache row
+  RMSNorm(kv part) * w_kv | rope(k_pe) straight into the paged cache at the row's flat slot (the
+  kv clone, norm, k rope, concat and cache append), one writer per row.
 - `mla_combine_uv` (ops.mla.mla_decode with `w_uv`) merges the KV splits of each (row, head) in
   split order, exactly as `mla_decode_combine`, rounds the latent output to bf16 and multiplies it
   by W_UV[h] in the same program, writing o [T, H, v], the layout o_proj reads.
+A quantized q_b or a separate q_a / kv_a (no q_a|kv_a GEMM) keep the older front: `mla_prep_qkv`
+(both norms, the k rope and the cache append from the q_a|kv_a row; `mla_prep_kv` without the q part
+for configs with q_lora_rank 0), the q_b GEMM, then `mla_q_absorb` (W_UK and the q rope alone).
 
 Rounding follows the unfused ops: the normed rows and the roped values are computed with the same
 f32 expressions and rounded to bf16 where those kernels store, so the cache row and q_c equal the
-unfused path bit for bit; the absorbed products accumulate in f32 and round once to bf16.
+unfused path bit for bit (q_c inside gemm_bf16_rmsnorm: where its NORM_K tile covers K, else the
+f32 sum of squares runs in another order and a q_c element may differ by one bf16 ulp); the
+absorbed products accumulate in f32 and round once to bf16.
 """
 from __future__ import annotations
 
@@ -127,6 +132,66 @@ def mla_q_absorb(q: kd.In["T", "H", "DQK", kd.bf16], wuk: kd.In["H", "NOPE", "DL
     x1 = q[t, h, NOPE + i * 2 + 1].to(kd.f32)
     out.store(t, h, DL + i * 2, value=x0 * cs - x1 * sn, mask=first)
     out.store(t, h, DL + i * 2 + 1, value=x1 * cs + x0 * sn, mask=first)
+
+
+def _append_rows(src, t, writer, wkv, i, cs, sn, slots, kv, eps):
+    """src[t, :DL + R] (the kv_a part of the q_a|kv_a output rows of tile t) -> the cache rows
+    rmsnorm(latent) * wkv | rope(k_pe) at slots[t], with the expressions of `_cache_row`; only where
+    `writer` holds (a [rows] mask, so one program per row loads and stores). A slot < 0 stores
+    nothing; a page index past the cache is dropped by the bounded-gather rule. cs/sn: cos/sin[t, i]
+    as the caller loaded them for the q rope."""
+    DL = kd.static("DL")
+    PS = kd.dim("PS")
+    d = kd.full_range("DL")
+    slot = slots[t]
+    page = slot // PS
+    off = slot % PS
+    keep = writer & (slot >= 0)
+    lat = _norm(src.load(t, d, mask=writer).to(kd.f32), d, wkv, eps, DL)
+    kv.store(page, off, d, value=lat, mask=keep)
+    x0 = src.load(t, DL + i * 2, mask=writer).to(kd.f32)
+    x1 = src.load(t, DL + i * 2 + 1, mask=writer).to(kd.f32)
+    kv.store(page, off, DL + i * 2, value=x0 * cs - x1 * sn, mask=keep)
+    kv.store(page, off, DL + i * 2 + 1, value=x1 * cs + x0 * sn, mask=keep)
+
+
+_ABS_KV_CHECKS = [*_ABS_CHECKS,
+                  ("kva", lambda d: d["NK"] == d["DL"] + 2 * d["R2"], "kva must be [T, latent + rope]"),
+                  ("kv", lambda d: d["DQ"] == d["DL"] + 2 * d["R2"], "the cache's last dim must be latent + rope")]
+
+
+@kd.kernel(static=("NOPE", "R2", "DL"), checks=_ABS_KV_CHECKS,
+           example={"T": 1, "H": 64, "DQK": 192, "NOPE": 128, "R2": 32, "DL": 512, "DQ": 576, "NK": 576,
+                    "NP": 4096, "PS": 64})
+def mla_q_absorb_kv(q: kd.In["T", "H", "DQK", kd.bf16], wuk: kd.In["H", "NOPE", "DL", kd.bf16],
+                    cos: kd.In["T", "R2", kd.f32], sin: kd.In["T", "R2", kd.f32],
+                    kva: kd.In["T", "NK", kd.bf16], wkv: kd.In["DL", kd.bf16], slots: kd.In["T", kd.i64],
+                    out: kd.Out["T", "H", "DQ", kd.bf16], kv: kd.InOut["NP", "PS", "DQ", kd.bf16],
+                    eps: kd.Scalar[kd.f32]):
+    """mla_q_absorb plus the cache append of mla_prep_qkv: out[t, h] = (q_nope @ W_UK[h]) |
+    rope(q_pe), and the program of head 0 and the first DL tile also writes its rows' cache rows
+    rmsnorm(kva latent) * wkv | rope(k_pe) at slots[t] (exactly one program per row: no two
+    programs store the same cache row). The q_b GEMM before it then reads the raw q_a rows
+    (ops.gemm.gemm_bf16_rmsnorm), so the MLA front needs no separate prep launch."""
+    t, c, h = kd.grid(kd.tile("T", "BLOCK_T", domain=(1, 2, 4, 16, 32, 64), default=1),
+                      kd.tile("DL", "BLOCK_C", domain=(32, 64, 128, 256, 512), default=128), kd.each("H"))
+    NOPE = kd.static("NOPE")
+    DL = kd.static("DL")
+    ks = kd.tiles("NOPE", block="BLOCK_K", domain=(16, 32, 64, 128), default=64)
+    acc = kd.fold(ks, kd.zeros((t, c), kd.f32), lambda k, acc: acc + kd.dot(q[t, h, k], wuk[h, k, c]))
+    out[t, h, c] = acc
+    i = kd.full_range("R2")
+    first = (c.start + i * 0) == 0
+    cs = cos[t, i]
+    sn = sin[t, i]
+    x0 = q[t, h, NOPE + i * 2].to(kd.f32)
+    x1 = q[t, h, NOPE + i * 2 + 1].to(kd.f32)
+    out.store(t, h, DL + i * 2, value=x0 * cs - x1 * sn, mask=first)
+    out.store(t, h, DL + i * 2 + 1, value=x1 * cs + x0 * sn, mask=first)
+    # the head-0 program of the first DL tile appends its rows (a [rows] mask: the interpreter
+    # rejects a scalar bool in a vector mask)
+    writer = (t * 0 + h + c.start) == 0
+    _append_rows(kva, t, writer, wkv, i, cs, sn, slots, kv, eps)
 
 
 _NEG_BIG = -1.0e30  # ops.mla.NEG_BIG: the combine's finite start of the running max
@@ -287,6 +352,62 @@ def q_absorb(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.
 
         cfg = config_for(mla_q_absorb, problem, T, config)
     mla_q_absorb(q, w_uk, cos, sin, out, config=cfg)
+    return out
+
+
+def q_absorb_append(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kva: torch.Tensor,
+                    kv_norm_w: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor, eps: float,
+                    backend: str = "triton", config: dict[str, Any] | None = None, invariant: bool = True,
+                    validate: bool | None = None) -> torch.Tensor:
+    """`q_absorb` and the cache append of `mla_prep` in one launch (kernel mla_q_absorb_kv): returns
+    the absorbed query [T, H, DL + R] and writes rmsnorm(kva[:, :DL]) * kv_norm_w |
+    rope_interleaved(kva[:, DL:]) at `slots` [T] of the paged cache [pages, page_size, DL + R].
+    kva [T, DL + R] is the kv_a part of the q_a|kv_a output (any row stride, last dim contiguous).
+    A slot < 0 (padding) or past the cache is skipped on both backends; `validate=True` refuses one
+    past the cache instead (a device read). `invariant` (default): the M=1 tiles at every T."""
+    op = "mla_q_absorb_kv"
+    check_backend(op, backend)
+    check_tensor(op, "q", q, 3, (torch.bfloat16,), last_contiguous=True)
+    dev = q.device
+    T, H, DQK = q.shape
+    check_tensor(op, "w_uk", w_uk, 3, (torch.bfloat16,), dev, contiguous=True)
+    if w_uk.shape[0] != H or w_uk.shape[1] >= DQK:
+        raise ValueError(f"{op}: w_uk must be [H={H}, nope < {DQK}, latent], got {tuple(w_uk.shape)}")
+    nope, DL = w_uk.shape[1], w_uk.shape[2]
+    R = DQK - nope
+    if R < 2 or R % 2:
+        raise ValueError(f"{op}: the rope part of q ({DQK} - nope {nope}) must be even and >= 2")
+    _check_rope(op, cos, sin, T, R, dev)
+    check_tensor(op, "kva", kva, 2, (torch.bfloat16,), dev, last_contiguous=True)
+    check_tensor(op, "kv_cache", kv_cache, 3, (torch.bfloat16,), dev, contiguous=True)
+    check_tensor(op, "kv_norm_w", kv_norm_w, 1, (torch.bfloat16,), dev, contiguous=True)
+    check_tensor(op, "slots", slots, 1, (torch.int32, torch.int64), dev)
+    if kv_norm_w.shape[0] != DL or kv_cache.shape[-1] != DL + R:
+        raise ValueError(f"{op}: kv_norm_w must be [{DL}] and the cache [pages, page_size, {DL + R}] for a "
+                         f"{DL}-wide latent and rope {R}, got {tuple(kv_norm_w.shape)} and {tuple(kv_cache.shape)}")
+    if kva.shape != (T, DL + R):
+        raise ValueError(f"{op}: kva must be [{T}, {DL + R}], got {tuple(kva.shape)}")
+    if slots.shape != (T,):
+        raise ValueError(f"{op}: slots must be [{T}], got {tuple(slots.shape)}")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+    if validating(validate):
+        check_slots(op, slots, kv_cache.shape[0] * kv_cache.shape[1])
+    if backend == "torch":
+        mla_prep_ref(kva, None, kv_norm_w, cos, sin, slots, kv_cache, eps, 0)
+        return mla_q_absorb_ref(q, w_uk, cos, sin)
+    out = torch.empty(T, H, DL + R, dtype=torch.bfloat16, device=dev)
+    if T == 0:
+        return out
+    problem = {"H": H, "NOPE": nope, "DL": DL, "R2": R // 2}
+    if invariant:
+        cfg = invariant_config(mla_q_absorb_kv, problem, T, config)
+    else:
+        from ops._common import config_for
+
+        cfg = config_for(mla_q_absorb_kv, problem, T, config)
+    sl = slots if slots.dtype == torch.int64 else slots.to(torch.int64)
+    mla_q_absorb_kv(q, w_uk, cos, sin, kva, kv_norm_w, sl, out, kv_cache, float(eps), config=cfg)
     return out
 
 

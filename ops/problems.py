@@ -156,6 +156,11 @@ MODELS: list[ProblemModel] = [
     ProblemModel("gemm_bf16_silu_mul", ("N2", "K"), peak_dtype="bf16", bytes_fn=_silu_gemm_bytes,
                  flops_fn=lambda p, m: 2.0 * m * p["N2"] * p["K"], derived=lambda p, m, c: {"I": p["N2"] // 2},
                  shared_numerics=True),
+    # the q_b GEMM with the q_a RMSNorm in its prologue: the gemm bytes plus the norm weight; the
+    # prologue's second read of each program's rows hits L2 (no extra HBM stream)
+    ProblemModel("gemm_bf16_rmsnorm", ("N", "K"), peak_dtype="bf16",
+                 bytes_fn=lambda p, m: _gemm(2, 2, "bf16")[0](p, m) + 2 * p["K"],
+                 flops_fn=lambda p, m: _gemm(2, 2, "bf16")[1](p, m) + 4.0 * m * p["K"], shared_numerics=True),
     ProblemModel("gemm_bf16*", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],
                  flops_fn=_gemm(2, 2, "bf16")[1], shared_numerics=True),
     ProblemModel("gemm_fp8*", ("N", "K"), peak_dtype="fp8", bytes_fn=_gemm(1, 1, "fp8")[0],
@@ -473,6 +478,14 @@ MLA_FUSED_MODELS = [
                  loop_dim="NOPE", loop_block="BLOCK_K", bytes_fn=_absorb_bytes,
                  flops_fn=lambda p, m: 2.0 * m * p["H"] * p["NOPE"] * p["DL"],
                  derived=lambda p, m, c: {"DQK": p["NOPE"] + 2 * p["R2"], "DQ": p["DL"] + 2 * p["R2"]}),
+    # q absorb + the cache append of mla_prep_qkv's kv part (one program per row writes it)
+    ProblemModel("mla_q_absorb_kv", ("H", "NOPE", "DL", "R2"), m_dim="T", m_block="BLOCK_T", peak_dtype="bf16",
+                 loop_dim="NOPE", loop_block="BLOCK_K",
+                 bytes_fn=lambda p, m: _absorb_bytes(p, m) + _prep_bytes(False)(p, m),
+                 flops_fn=lambda p, m: 2.0 * m * p["H"] * p["NOPE"] * p["DL"] + m * (4.0 * p["DL"] + 6.0 * p["R2"]),
+                 derived=lambda p, m, c: {"DQK": p["NOPE"] + 2 * p["R2"], "DQ": p["DL"] + 2 * p["R2"],
+                                          "NK": p["DL"] + 2 * p["R2"], "NP": 4096, "PS": 64},
+                 shared_numerics=True),
     # floor: W_UV once and the bf16 output; the f32 split partials it reads are the split's overhead
     ProblemModel("mla_combine_uv", ("H", "DL", "V"), m_dim="BQ", m_block="BLOCK_M", peak_dtype="bf16",
                  loop_dim="DL", loop_block="BLOCK_C", launch_dims=_combine_uv_launch,

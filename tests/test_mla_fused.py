@@ -8,6 +8,8 @@ Tolerances:
 - mla_q_absorb: the roped q_pe part bit-identical to rope_interleaved; the absorbed part is an f32
   accumulated product rounded once to bf16: against the f32 reference, within one bf16 ulp
   (rtol 2^-7 relative to the row scale, atol 1e-2 on O(10) values).
+- mla_q_absorb_kv (q_absorb_append): the absorbed query bit-identical to mla_q_absorb at the same
+  tiles, the cache rows bit-identical to mla_prep's (the same f32 expressions over the same row).
 - mla_combine_uv: with W_UV = identity it returns mla_decode_combine's bf16 output bit for bit (the
   same split merge); with a random W_UV it matches bf16(combine) @ W_UV in f32 within one bf16 ulp.
 """
@@ -144,6 +146,86 @@ def test_q_absorb_writes_every_element():
     torch.testing.assert_close(out.float(), F.mla_q_absorb_ref(q, wuk, cos, sin).float(), rtol=2 ** -7, atol=1e-2)
 
 
+def _append_case(T, H, nope, R, C, NP, PS, seed, q_lora=24):
+    q, wuk, cos, sin = _absorb_case(T, H, nope, R, C, seed)
+    qkv, _, wkv, _, _, _, slots = _prep_case(T, q_lora, C, R, NP, PS, seed + 1)
+    return q, wuk, cos, sin, qkv, wkv, slots
+
+
+@settings(max_examples=6)
+@given(T=st.integers(1, 19), H=st.integers(1, 4), nope=st.sampled_from([16, 32]), C=st.sampled_from([16, 40]),
+       R=st.sampled_from([8, 16]), cfg=st.sampled_from([None, {"BLOCK_T": 16, "BLOCK_C": 32, "BLOCK_K": 16},
+                                                        {"BLOCK_T": 2, "BLOCK_C": 64, "BLOCK_K": 32}]),
+       seed=st.integers(0, 2**16))
+def test_q_absorb_append_equals_prep_and_absorb_bit_for_bit(T, H, nope, C, R, cfg, seed):
+    """One launch = mla_prep's cache append (its kv part) + mla_q_absorb, bit for bit; every untouched
+    cache row keeps its poison."""
+    NP, PS, QL = 6, 4, 24
+    q, wuk, cos, sin, qkv, wkv, slots = _append_case(T, H, nope, R, C, NP, PS, seed, QL)
+    kv_new = torch.full((NP, PS, C + R), float("nan"), dtype=torch.bfloat16)
+    kv_old, kv_ref = kv_new.clone(), kv_new.clone()
+    out = F.q_absorb_append(q, wuk, cos, sin, qkv[:, QL:], wkv, slots, kv_new, 1e-6, config=cfg)
+    F.mla_prep(qkv, torch.ones(QL, dtype=torch.bfloat16), wkv, cos, sin, slots, kv_old, 1e-6, q_lora=QL)
+    ref = F.q_absorb_append(q, wuk, cos, sin, qkv[:, QL:], wkv, slots, kv_ref, 1e-6, backend="torch")
+    assert torch.equal(out, F.q_absorb(q, wuk, cos, sin, config=cfg))
+    assert torch.equal(out[..., C:], ref[..., C:])
+    torch.testing.assert_close(out[..., :C].float(), ref[..., :C].float(), rtol=2 ** -7, atol=1e-2)
+    written = torch.zeros(NP * PS, dtype=torch.bool)
+    written[slots] = True
+    flat = lambda kv: kv.view(-1, C + R)  # noqa: E731
+    assert torch.equal(flat(kv_new)[written], flat(kv_old)[written])
+    assert torch.equal(flat(kv_new)[written], flat(kv_ref)[written])
+    assert flat(kv_new)[~written].isnan().all()
+
+
+def test_q_absorb_append_skips_padding_and_slots_past_the_cache():
+    """slot -1 and slots past the capacity store nothing: the cache is a view of a bigger buffer whose
+    guard pages must stay untouched; several programs per row (heads x DL tiles), one writer each."""
+    NP, PS, C, R, T, H = 3, 4, 64, 8, 5, 3
+    q, wuk, cos, sin, qkv, wkv, _ = _append_case(T, H, 16, R, C, NP, PS, seed=7)
+    slots = torch.tensor([NP * PS, 5, -1, NP * PS + 3 * PS + 1, 10])
+    for backend in ("triton", "torch"):
+        buf = torch.full((NP + 4, PS, C + R), 7.0, dtype=torch.bfloat16)
+        kv = buf[2:2 + NP]
+        kv.copy_(_rand(NP, PS, C + R, g=torch.Generator().manual_seed(1)))
+        b0 = buf.clone()
+        out = poisoned((T, H, C + R), torch.bfloat16)
+        if backend == "triton":
+            F.mla_q_absorb_kv(q, wuk, cos, sin, qkv[:, 24:], wkv, slots, out, kv, 1e-6,
+                              config={"BLOCK_T": 2, "BLOCK_C": 32, "BLOCK_K": 16})
+        else:
+            out = F.q_absorb_append(q, wuk, cos, sin, qkv[:, 24:], wkv, slots, kv, 1e-6, backend="torch")
+        assert not out.isnan().any()
+        assert torch.equal(buf[:2], b0[:2]) and torch.equal(buf[2 + NP:], b0[2 + NP:]), backend
+        changed = (buf != b0).any(-1).nonzero().tolist()
+        assert changed == [[2 + 1, 1], [2 + 2, 2]], (backend, changed)   # slots 5 and 10 only
+        with pytest.raises(ValueError, match="beyond the cache"):
+            F.q_absorb_append(q, wuk, cos, sin, qkv[:, 24:], wkv, slots, kv, 1e-6, backend=backend, validate=True)
+
+
+def test_q_absorb_append_stores_are_bounded_and_single_writer():
+    """The page index comes from a loaded slot: the DSL bounds the cache stores by NP; the stores
+    and the row loads carry the writer mask (head 0, first DL tile)."""
+    src = F.mla_q_absorb_kv.source({}, "gfx942")
+    assert "bounded gather: kv index 0 (dim NP)" in src and "gathers_bounded" in src
+    assert src.count("& (keep[:, None])") == 3 and src.count("& (writer[:, None])") == 3
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_q_absorb_append_argument_checks(backend):
+    q, wuk, cos, sin, qkv, wkv, slots = _append_case(3, 2, 16, 8, 16, 4, 4, seed=2)
+    kv = _rand(4, 4, 24, g=torch.Generator().manual_seed(0))
+    args = (q, wuk, cos, sin, qkv[:, 24:], wkv, slots, kv, 1e-6)
+    with pytest.raises(ValueError, match="kva must be"):
+        F.q_absorb_append(*args[:4], qkv[:, 23:], *args[5:], backend=backend)
+    with pytest.raises(ValueError, match="slots must be"):
+        F.q_absorb_append(*args[:6], slots[:2], *args[7:], backend=backend)
+    with pytest.raises(ValueError, match="kv_norm_w must be"):
+        F.q_absorb_append(*args[:5], wkv[:8], *args[6:], backend=backend)
+    with pytest.raises(ValueError, match="eps must be"):
+        F.q_absorb_append(*args[:8], float("nan"), backend=backend)
+
+
 def _decode_case(lens, q_len, H, C, R, seed, ps=8):
     g = torch.Generator().manual_seed(seed)
     B = len(lens)
@@ -261,7 +343,7 @@ def test_model_fused_mla_matches_unfused_ops(tmp_path_factory):
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("kernel", [F.mla_prep_qkv, F.mla_prep_kv, F.mla_q_absorb, F.mla_combine_uv],
+@pytest.mark.parametrize("kernel", [F.mla_prep_qkv, F.mla_prep_kv, F.mla_q_absorb, F.mla_q_absorb_kv, F.mla_combine_uv],
                          ids=lambda k: k.name)
 def test_default_config_compiles_everywhere(kernel):
     """Tier 2: the default config compiles for gfx942, gfx950 and sm90 (Kimi shapes, the kernels'

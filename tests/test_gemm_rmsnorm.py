@@ -1,0 +1,87 @@
+"""gemm_bf16_rmsnorm (ops/gemm.py): the q_b GEMM with the q_a RMSNorm in its prologue, reading the
+raw rows through a strided view (the q_a columns of the q_a|kv_a output).
+
+Tolerances: with NORM_K >= K (one sum-of-squares reduction, the order of mla_prep_qkv) bit-exact
+against the two-launch path mla_prep's q_c + gemm_bf16 at the same tiles on the interpreter; with a
+smaller NORM_K the sum order differs, so a normed element may move by one bf16 ulp: against the
+float64 reference over rmsnorm_ref, |err| <= 2 bf16 ulp of the output + 2^-7 x (|q_c| @ |w|^T)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ops import gemm as G
+from ops import mla_fused as F
+from tests.conftest import poisoned
+
+
+def _ulp(y: torch.Tensor) -> torch.Tensor:
+    a = y.float().abs().clamp_min(2.0 ** -126)
+    return torch.exp2(torch.floor(torch.log2(a)) - 7)
+
+
+def _case(M, N, K, seed, pad=7):
+    g = torch.Generator().manual_seed(seed)
+    buf = (torch.randn(M, K + pad, generator=g) * 3.0).bfloat16()   # raw rows inside a wider GEMM output
+    return buf[:, :K], torch.randn(K, generator=g).bfloat16(), (torch.randn(N, K, generator=g) * 0.2).bfloat16()
+
+
+def _bound(x, xw, w, ref):
+    from ops.norm import rmsnorm_ref
+
+    qc = rmsnorm_ref(x, xw, 1e-6).double()
+    return 2 * _ulp(ref).double() + 2.0 ** -7 * (qc.abs() @ w.double().abs().T)
+
+
+@pytest.mark.parametrize("M,N,K,cfg", [
+    (1, 40, 96, {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 128}),
+    (3, 48, 64, {"BLOCK_M": 4, "BLOCK_N": 32, "BLOCK_K": 64, "NORM_K": 64}),
+    (5, 32, 96, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 128}),
+    (18, 72, 160, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "NORM_K": 256}),
+])
+def test_equals_prep_then_gemm_bit_for_bit(M, N, K, cfg):
+    """NORM_K >= K: q_c as mla_prep_qkv computes it, then the same GEMM tiles: identical bits."""
+    x, xw, w = _case(M, N, K, seed=M * 100 + N)
+    out = poisoned((M, N), torch.bfloat16)
+    G.gemm_bf16_rmsnorm_kernel(x, xw, w, out, 1e-6, config=cfg)
+    assert not out.isnan().any()
+    # the two-launch path: mla_prep's q_c (its kv part written into a scratch cache) and gemm_bf16
+    C, R = 16, 8
+    qkv = torch.cat([x, torch.randn(M, C + R).bfloat16()], 1)
+    ang = torch.rand(M, R // 2)
+    qc = F.mla_prep(qkv, xw, torch.ones(C).bfloat16(), ang.cos(), ang.sin(), torch.full((M,), -1),
+                    torch.zeros(1, 4, C + R).bfloat16(), 1e-6, q_lora=K)
+    two = G.gemm_bf16(qc, w, config={k: v for k, v in cfg.items() if k != "NORM_K"})
+    assert torch.equal(out, two)
+    ref = G.gemm_bf16_rmsnorm_ref(x, xw, w, 1e-6)
+    assert ((out.double() - ref.double()).abs() <= _bound(x, xw, w, ref)).all()
+
+
+@pytest.mark.parametrize("cfg", [{"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 64},
+                                 {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "NORM_K": 64}])
+def test_split_norm_sum_within_bound(cfg):
+    """NORM_K < K: the row sums in several tiles (another f32 order): within the stated bound."""
+    x, xw, w = _case(6, 40, 200, seed=11)
+    out = poisoned((6, 40), torch.bfloat16)
+    G.gemm_bf16_rmsnorm_kernel(x, xw, w, out, 1e-6, config=cfg)
+    ref = G.gemm_bf16_rmsnorm_ref(x, xw, w, 1e-6)
+    assert not out.isnan().any()
+    assert ((out.double() - ref.double()).abs() <= _bound(x, xw, w, ref)).all()
+
+
+def test_wrapper_backends_and_checks():
+    x, xw, w = _case(3, 24, 64, seed=5)
+    cfg = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 64}
+    y = G.gemm_bf16_rmsnorm(x, xw, w, 1e-6, config=cfg)
+    ref = G.gemm_bf16_rmsnorm_ref(x, xw, w, 1e-6)
+    assert y.shape == (3, 24) and ((y.double() - ref.double()).abs() <= _bound(x, xw, w, ref)).all()
+    assert torch.equal(G.gemm_bf16_rmsnorm(x, xw, w, 1e-6, backend="torch"), ref)
+    assert G.gemm_bf16_rmsnorm(x[:0], xw, w, 1e-6).shape == (0, 24)
+    with pytest.raises(ValueError, match="x_norm_w must be"):
+        G.gemm_bf16_rmsnorm(x, xw[:32], w, 1e-6)
+    with pytest.raises(ValueError, match="K mismatch"):
+        G.gemm_bf16_rmsnorm(x, xw, w[:, :32], 1e-6)
+    with pytest.raises(ValueError, match="eps must be"):
+        G.gemm_bf16_rmsnorm(x, xw, w, -1.0, backend="torch")
+    with pytest.raises(TypeError, match="x must be bfloat16"):
+        G.gemm_bf16_rmsnorm(x.float(), xw, w, 1e-6)
