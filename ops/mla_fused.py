@@ -320,14 +320,10 @@ def mla_prep(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, kv_norm_w: torch.
     return qc
 
 
-def q_absorb(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "triton",
-             config: dict[str, Any] | None = None, invariant: bool = True) -> torch.Tensor:
-    """The absorbed MLA query: q [T, H, nope + R] (any strides with a contiguous last dim, e.g. the
-    q_b output viewed) and W_UK [H, nope, DL] bf16 -> [T, H, DL + R] bf16 = (q_nope @ W_UK[h]) |
-    rope_interleaved(q_pe) with per-row cos/sin [T, R/2]. `invariant` (default): the M=1 tiles at
-    every T, so a row's result does not depend on the batch."""
-    op = "mla_q_absorb"
-    check_backend(op, backend)
+def _check_absorb(op: str, q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                  ) -> tuple[int, int, int, int, int]:
+    """Argument rules of the absorbed query (q [T, H, nope + R], W_UK [H, nope, DL], per-row cos/sin);
+    returns (T, H, nope, DL, R)."""
     check_tensor(op, "q", q, 3, (torch.bfloat16,), last_contiguous=True)
     dev = q.device
     T, H, DQK = q.shape
@@ -339,6 +335,19 @@ def q_absorb(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.
     if R < 2 or R % 2:
         raise ValueError(f"{op}: the rope part of q ({DQK} - nope {nope}) must be even and >= 2")
     _check_rope(op, cos, sin, T, R, dev)
+    return T, H, nope, DL, R
+
+
+def q_absorb(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str = "triton",
+             config: dict[str, Any] | None = None, invariant: bool = True) -> torch.Tensor:
+    """The absorbed MLA query: q [T, H, nope + R] (any strides with a contiguous last dim, e.g. the
+    q_b output viewed) and W_UK [H, nope, DL] bf16 -> [T, H, DL + R] bf16 = (q_nope @ W_UK[h]) |
+    rope_interleaved(q_pe) with per-row cos/sin [T, R/2]. `invariant` (default): the M=1 tiles at
+    every T, so a row's result does not depend on the batch."""
+    op = "mla_q_absorb"
+    check_backend(op, backend)
+    T, H, nope, DL, R = _check_absorb(op, q, w_uk, cos, sin)
+    dev = q.device
     if backend == "torch":
         return mla_q_absorb_ref(q, w_uk, cos, sin)
     out = torch.empty(T, H, DL + R, dtype=torch.bfloat16, device=dev)
@@ -367,17 +376,8 @@ def q_absorb_append(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin:
     past the cache instead (a device read). `invariant` (default): the M=1 tiles at every T."""
     op = "mla_q_absorb_kv"
     check_backend(op, backend)
-    check_tensor(op, "q", q, 3, (torch.bfloat16,), last_contiguous=True)
+    T, H, nope, DL, R = _check_absorb(op, q, w_uk, cos, sin)
     dev = q.device
-    T, H, DQK = q.shape
-    check_tensor(op, "w_uk", w_uk, 3, (torch.bfloat16,), dev, contiguous=True)
-    if w_uk.shape[0] != H or w_uk.shape[1] >= DQK:
-        raise ValueError(f"{op}: w_uk must be [H={H}, nope < {DQK}, latent], got {tuple(w_uk.shape)}")
-    nope, DL = w_uk.shape[1], w_uk.shape[2]
-    R = DQK - nope
-    if R < 2 or R % 2:
-        raise ValueError(f"{op}: the rope part of q ({DQK} - nope {nope}) must be even and >= 2")
-    _check_rope(op, cos, sin, T, R, dev)
     check_tensor(op, "kva", kva, 2, (torch.bfloat16,), dev, last_contiguous=True)
     check_tensor(op, "kv_cache", kv_cache, 3, (torch.bfloat16,), dev, contiguous=True)
     check_tensor(op, "kv_norm_w", kv_norm_w, 1, (torch.bfloat16,), dev, contiguous=True)
