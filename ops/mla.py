@@ -29,6 +29,7 @@ from ops._common import (check_backend, check_paged, check_paged_lengths, check_
 
 LOG2E = 1.4426950408889634
 MAX_Q_LEN = 8
+NEG_BIG = -1.0e30  # finite "minus infinity" for the running max: keeps exp2(m_old - m_new) finite
 MAX_SPLITS = 128
 # The split cap of a batch-invariant MLA launch is set so that a query row's partials (heads x splits
 # rows of DL f32) stay bounded: 32 splits at Kimi's 64 heads (one GPU), the full MAX_SPLITS at 8 or
@@ -41,7 +42,6 @@ DEFAULT_MAX_SPLITS = 32  # paged MHA: its split cap
 def max_splits_for(heads: int) -> int:
     """The split cap of an MLA launch with `heads` query heads per rank (see MAX_SPLIT_ROWS)."""
     return max(1, min(MAX_SPLITS, MAX_SPLIT_ROWS // max(1, heads)))
-NEG_BIG = -1.0e30  # finite "minus infinity" for the running max: keeps exp2(m_old - m_new) finite
 
 
 def visible(p, r, base, wbase, stop, tree, b):
