@@ -13,10 +13,11 @@ The new rows' latent KV rows are appended to the paged cache and attention is ca
 
 MLA uses the absorbed form everywhere: q_nope is folded through W_UK into a kv_lora_rank-wide latent
 query and attention runs over the 576-wide (for Kimi) latent cache, W_UV is applied afterwards.
-With backend="triton" the MLA half is 6 launches (the q_a norm in the q_b GEMM's prologue reading the
-q_a|kv_a output in place, W_UK with the q rope and the kv norm, k rope and cache append in one, the
-split combine with W_UV in one; ops.mla_fused, see `_MLA._fused`); with "torch" it is the same math in
-the model dtype over every row the block table reaches (masked).
+With backend="triton" the MLA half is 6 launches (the q_a|kv_a GEMM split along K into f32 partials, the
+split sum and q_a norm in the q_b GEMM's prologue reading the partials in place, W_UK with the q rope
+and the kv split sum, norm, k rope and cache append in one, the split combine with W_UV in one;
+ops.mla_fused, see `_MLA._fused`); with "torch" it is the same math in the model dtype over every row
+the block table reaches (masked).
 
 Aux hidden states (models.config docstring): for every processed token, the residual stream
 ENTERING each layer of `capture_ids` (id N = the output of the last layer, before the final norm),
@@ -325,13 +326,17 @@ class _MLA:
 
     def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvl: torch.Tensor,
                ctx: StepCtx) -> torch.Tensor:
-        """The triton path in 6 launches (q_a|kv_a as one GEMM, a bf16 q_b): qkv_a GEMM -> q_b GEMM
-        with the q_a RMSNorm in its prologue (gemm_bf16_rmsnorm, reading the raw q_a rows in place)
-        -> mla_q_absorb_kv (W_UK, the q rope, and the kv norm, k rope and cache append by one
-        program per row) -> mla_decode_split -> mla_combine_uv (the split merge and W_UV, writing
-        o_proj's input) -> o_proj GEMM. A quantized q_b or separate q_a / kv_a take the 7-launch form
-        (mla_prep, then the q_b GEMM and mla_q_absorb). Same math as the torch path below."""
-        from ops.gemm import gemm_bf16_rmsnorm
+        """The triton path in 6 launches (q_a|kv_a as one bf16 GEMM, a bf16 q_b): the q_a|kv_a GEMM
+        split along K (gemm_bf16_splitk: f32 partials [S, T, q_lora + C + r], S times the programs of
+        the plain GEMM at its small N) -> q_b GEMM with the split sum and the q_a RMSNorm in its
+        prologue (gemm_bf16_rmsnorm, reading the q_a columns of the partials in place) ->
+        mla_q_absorb_kv (W_UK, the q rope, and the kv split sum, kv norm, k rope and cache append by
+        one program per row) -> mla_decode_split -> mla_combine_uv (the split merge and W_UV, writing
+        o_proj's input) -> o_proj GEMM. Both consumers add the partials in split order and round to
+        bf16, the row the plain GEMM would have stored. A quantized q_a|kv_a or q_b, or separate q_a /
+        kv_a take the 7-launch form (mla_prep, then the q_b GEMM and mla_q_absorb). Same math as the
+        torch path below."""
+        from ops.gemm import gemm_bf16_rmsnorm, gemm_bf16_splitk
         from ops.mla_fused import mla_prep, q_absorb, q_absorb_append
 
         c = self.cfg
@@ -340,10 +345,11 @@ class _MLA:
         tree = self._tree(ctx)                     # refuse an unsupported window before the cache is written
         eps, wkv = self.kv_norm.eps, self.kv_norm.w
         ql = c.q_lora_rank
-        if self.qkv_a is not None and self.q_b.dense is not None:
-            qkv = self.qkv_a(x)
-            q = gemm_bf16_rmsnorm(qkv[:, :ql], self.q_norm.w, self.q_b.dense, self.q_norm.eps)
-            qf = q_absorb_append(q.view(T, H, nope + r), self.w_uk, cos, sin, qkv[:, ql:], wkv, ctx.slots, kvl, eps)
+        if self.qkv_a is not None and self.qkv_a.dense is not None and self.q_b.dense is not None:
+            part = gemm_bf16_splitk(x.to(torch.bfloat16), self.qkv_a.dense)   # [S, T, ql + C + r] f32
+            q = gemm_bf16_rmsnorm(part[:, :, :ql], self.q_norm.w, self.q_b.dense, self.q_norm.eps)
+            qf = q_absorb_append(q.view(T, H, nope + r), self.w_uk, cos, sin, part[:, :, ql:], wkv, ctx.slots, kvl,
+                                 eps)
         else:
             if self.qkv_a is not None:
                 q = self.q_b(mla_prep(self.qkv_a(x), self.q_norm.w, wkv, cos, sin, ctx.slots, kvl, eps, q_lora=ql))

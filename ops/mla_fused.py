@@ -1,9 +1,12 @@
 """The MLA block's small steps fused around the two GEMMs and the attention, written in kdsl.
 
 An MLA layer of the decode step (models.kimi._MLA, absorbed form, a bf16 q_b) runs
-    qkv_a GEMM -> q_b GEMM [+ q_a RMSNorm] -> [mla_q_absorb_kv] -> mla_decode_split -> [mla_combine_uv] -> o_proj
+    qkv_a split-K GEMM -> q_b GEMM [+ q_a RMSNorm] -> [mla_q_absorb_kv] -> mla_decode_split -> [mla_combine_uv] -> o_proj
 where each bracketed kernel replaces several launches of the unfused path:
-- the q_b GEMM (ops.gemm.gemm_bf16_rmsnorm) reads the raw q_a rows of the q_a|kv_a output in place
+- the q_a|kv_a GEMM (ops.gemm.gemm_bf16_splitk) writes f32 partial sums [S, T, q_lora + DL + R] over
+  S K ranges (its N of 2112 alone gives too few programs to fill the GPU); both consumers add them
+  in split order and round to bf16, the row the plain GEMM would have stored.
+- the q_b GEMM (ops.gemm.gemm_bf16_rmsnorm) reads the q_a columns of those partials in place
   (strided, no copy) and computes q_c = RMSNorm(q part) * w_q in its prologue.
 - `mla_q_absorb_kv` folds q_nope through W_UK per head (a batched-per-head GEMM, f32 accumulate)
   and ropes q_pe into the absorbed query [T, H, C + r] (clone, rope, batched GEMM, concat); its
