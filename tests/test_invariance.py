@@ -178,3 +178,44 @@ def test_gemm_rows_batch1_equals_batch8(arch: str) -> None:
     b8 = gemm.gemm_bf16(x, w, config=cb)
     b1 = gemm.gemm_bf16(x[3:4].contiguous(), w, config=cb)
     assert torch.equal(b1[0], b8[3])
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_mla_front_split_k_rows_batch1_equal_batch8(arch: str) -> None:
+    """The MLA front's q_a|kv_a GEMM split along K (one tuned SPLIT_K and tile for every M) and its two
+    consumers (q_b GEMM with the q_a norm, the kv cache append) with the arch's invariant configs: a
+    row alone gives the bits it gives in a batch of 8 (partials, q_b output and its cache row)."""
+    trim = lambda c: {k: v for k, v in c.items() if k not in ("matrix_instr_nonkdim", "kpack", "waves_per_eu")}  # noqa: E731
+    from ops import mla_fused
+
+    cs = [trim(invariant_config(gemm.gemm_bf16_splitk_kernel, {"N": 2112, "K": 7168}, m, None, arch=arch))
+          for m in (1, 2, 8, 32, 128)]
+    assert all(_numerics(c) == _numerics(cs[0]) for c in cs) and cs[0]["SPLIT_K"] > 1
+    cfg = cs[0]
+    g = torch.Generator().manual_seed(7)
+    M, QL, C, R, HQ, NOPE = 8, 32, 32, 8, 2, 16
+    K = cfg["BLOCK_K"] * cfg["SPLIT_K"] - 40  # a short last split
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w = (torch.randn(QL + C + R, K, generator=g) * 0.1).bfloat16()
+    wqn, wkv = torch.randn(QL, generator=g).bfloat16(), torch.randn(C, generator=g).bfloat16()
+    wqb = (torch.randn(HQ * (NOPE + R), QL, generator=g) * 0.2).bfloat16()
+    wuk = (torch.randn(HQ, NOPE, C, generator=g) * 0.3).bfloat16()
+    ang = torch.rand(M, R // 2, generator=g) * 6.0
+    cq = trim(invariant_config(gemm.gemm_bf16_rmsnorm_kernel, {"N": 1536, "K": 1536}, M, None, arch=arch))
+    ca = trim(invariant_config(mla_fused.mla_q_absorb_kv, {"H": 8, "NOPE": 128, "DL": 512, "R2": 32}, M, None,
+                               arch=arch))
+
+    def front(rows: slice):
+        part = gemm.gemm_bf16_splitk(x[rows], w, config=cfg)
+        q = gemm.gemm_bf16_rmsnorm(part[:, :, :QL], wqn, wqb, 1e-6, config=cq)
+        kv = torch.full((2, 8, C + R), float("nan"), dtype=torch.bfloat16)
+        n = q.shape[0]
+        mla_fused.q_absorb_append(q.view(n, HQ, NOPE + R), wuk, ang[rows].cos(), ang[rows].sin(), part[:, :, QL:],
+                                  wkv, torch.arange(n), kv, 1e-6, config=ca)
+        return part, q, kv.view(-1, C + R)[:n]
+
+    p8, q8, kv8 = front(slice(0, 8))
+    p1, q1, kv1 = front(slice(0, 1))
+    assert p8.shape[0] == cfg["SPLIT_K"]
+    assert torch.equal(p1[:, 0], p8[:, 0]) and torch.equal(q1[0], q8[0]) and torch.equal(kv1[0], kv8[0])
+    assert not kv8.isnan().any()

@@ -348,8 +348,8 @@ def test_tune_model_dry_run_lists_the_step_problems(capsys):
 
     assert main(["tune-model", "--config", "kimi-k2.5", "--arch", "gfx942", "--dry-run", "--q-lens", "1"]) == 0
     out = capsys.readouterr().out
-    # N2=4096: the shared expert's gate|up GEMM with SiLU*up; N=2112: q_a|kv_a as one GEMM
-    for want in ("gemm_bf16_silu_mul N2=4096,K=7168", "gemm_bf16 N=2112,K=7168",
+    # N2=4096: the shared expert's gate|up GEMM with SiLU*up; N=2112: q_a|kv_a as one split-K GEMM
+    for want in ("gemm_bf16_silu_mul N2=4096,K=7168", "gemm_bf16_splitk N=2112,K=7168",
                  "mla_decode_split QL=1,H=64,DL=512,DR=64,PS=64", "moe_stage1_w4a8 E=384,K=7168,I=2048,TOPK=8",
                  "rmsnorm_add_quant D=7168", "moe_combine_norm D=7168,TOPK=8", "moe_align_one E=384,BM=16",
                  "gemm_bf16 N=163840,K=7168"):
