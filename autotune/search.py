@@ -157,8 +157,8 @@ def score(kernel: Any, target: Target, problem: dict[str, Any], m: int, config: 
     reuse = pm.reuse_dim or pm.m_dim
     m_tiles = math.prod(g for g, e in zip(gs, sp.grid) if e.dim == reuse) or 1
     extra = extra_bytes(kernel, problem, m, dims)
-    iters = loop_iters(kernel, dims, sp.config, report.get("main_loop_depth"))
-    fig = costmodel.predict(report, target, math.prod(gs), iters, nbytes, flops, pm.peak_dtype, m_tiles, m_frac, extra)
+    fig = costmodel.predict(report, target, math.prod(gs), loop_iters(kernel, dims, sp.config), nbytes, flops,
+                            pm.peak_dtype, m_tiles, m_frac, extra)
     fig["resources"] = {k: report.get(k) for k in ("vgpr", "agpr", "spills", "lds_bytes", "occupancy")}
     return fig
 

@@ -75,8 +75,7 @@ def test_mla_split_cap_follows_the_heads(heads: int, splits: int) -> None:
 def test_combine_uv_scored_at_the_split_count_the_op_launches(arch: str, heads: int) -> None:
     """The tuner scores mla_combine_uv at the S that mla_decode gives it at the nominal context (a
     table of that context and the new token, in pages of 64, as bench.step's): the split plan of the
-    tuned q_len-1 split config of that arch and head count (its SPLIT_TOKENS), not a fixed 256. Its main loop is the split loop nested in each DL tile: DL/BLOCK_C x S/BLOCK_S trips
-    when the report's main loop is that nested one."""
+    tuned q_len-1 split config of that arch and head count (its SPLIT_TOKENS), not a fixed 256. Its main loop is the split loop nested in each DL tile: DL/BLOCK_C x S/BLOCK_S trips."""
     from ops._common import invariant_config
     from ops.mla_fused import mla_combine_uv
 
@@ -90,10 +89,9 @@ def test_combine_uv_scored_at_the_split_count_the_op_launches(arch: str, heads: 
         c = {"BLOCK_C": 128, "BLOCK_S": 16}
         d = P.full_dims(mla_combine_uv, {"H": heads, "DL": 512, "V": 128}, m, c, t)
         assert d["S"] == want and d["BQ"] == m
-        assert P.loop_iters(mla_combine_uv, d, c, 2) == 4 * math.ceil(want / 16)
-        assert P.loop_iters(mla_combine_uv, d, c, 1) == 4
+        assert P.loop_iters(mla_combine_uv, d, c) == 4 * math.ceil(want / 16)
     bound = P.full_dims(mla_combine_uv, {"H": heads, "DL": 512, "V": 128, "S": 65}, 2, c, t)  # a recorded launch
-    assert bound["S"] == 65 and P.loop_iters(mla_combine_uv, bound, c, 2) == 4 * 5
+    assert bound["S"] == 65 and P.loop_iters(mla_combine_uv, bound, c) == 4 * 5
 
 
 def test_mha_launch_dims_match_the_op() -> None:
