@@ -41,6 +41,11 @@ class ProblemModel:
     # dims computed from the key dims, M and the config (e.g. G = K / 32; MoE block counts from M)
     derived: Callable[[Problem, int, dict[str, Any]], Problem] | None = None
     loops: int = 1  # main loops of that trip count (a two-pass kernel walks K twice)
+    # a loop nested in the main one, (dim, block tunable): the report's main loop then runs loop trips
+    # x these trips (mla_combine_uv: the splits in each DL tile). Where the compiler keeps the matrix
+    # work in the outer loop, the report names that one and the model charges it at the inner trips
+    # too: an upper bound, so that no tile hides the nested loop (one trip: exact)
+    inner_loop: tuple[str, str] | None = None
     # dims the op's host code picks from the device as well (split-KV counts from the CU count):
     # (problem, m, config, target) -> dims; applied after `derived` when a target is known
     launch_dims: Callable[[Problem, int, dict[str, Any], Any], Problem] | None = None
@@ -224,11 +229,17 @@ def shared_bytes(kernel: Any, problem: Problem, m: int) -> float:
 
 
 def loop_iters(kernel: Any, problem: Problem, config: dict[str, Any]) -> int:
-    """Trip count of the main loop for `config` (1 when the model names no loop)."""
+    """Trip count of the main loop for `config` (1 when the model names no loop); with an
+    `inner_loop`, the nested loop's trips over all outer trips."""
     pm = model_for(kernel)
+    n = 1
     if pm.loop_dim and pm.loop_block and pm.loop_dim in problem and pm.loop_block in config:
-        return max(1, math.ceil(problem[pm.loop_dim] / config[pm.loop_block])) * pm.loops
-    return 1
+        n = max(1, math.ceil(problem[pm.loop_dim] / config[pm.loop_block])) * pm.loops
+    if pm.inner_loop:
+        d, b = pm.inner_loop
+        if d in problem and b in config:
+            n *= max(1, math.ceil(problem[d] / config[b]))
+    return n
 
 
 def parse_problem(text: str) -> Problem:

@@ -14,8 +14,9 @@ where each bracketed kernel replaces several launches of the unfused path:
   RMSNorm(kv part) * w_kv | rope(k_pe) straight into the paged cache at the row's flat slot (the
   kv clone, norm, k rope, concat and cache append), one writer per row.
 - `mla_combine_uv` (ops.mla.mla_decode with `w_uv`) merges the KV splits of each (row, head) in
-  split order, exactly as `mla_decode_combine`, rounds the latent output to bf16 and multiplies it
-  by W_UV[h] in the same program, writing o [T, H, v], the layout o_proj reads.
+  split order, BLOCK_S splits a step (at BLOCK_S 1 exactly as `mla_decode_combine`), rounds the
+  latent output to bf16 and multiplies it by W_UV[h] in the same program, writing o [T, H, v], the
+  layout o_proj reads.
 A quantized q_b or a separate q_a / kv_a (no q_a|kv_a GEMM) keep the older front: `mla_prep_qkv`
 (both norms, the k rope and the cache append from the q_a|kv_a row; `mla_prep_kv` without the q part
 for configs with q_lora_rank 0), the q_b GEMM, then `mla_q_absorb` (W_UK and the q rope alone).
@@ -208,22 +209,27 @@ _NEG_BIG = -1.0e30  # ops.mla.NEG_BIG: the combine's finite start of the running
 @kd.kernel(static=("S",), example={"BQ": 1, "H": 64, "S": 8, "DL": 512, "V": 128})
 def mla_combine_uv(part: kd.In["BQ", "H", "S", "DL", kd.f32], lse: kd.In["BQ", "H", "S", kd.f32],
                    wuv: kd.In["H", "DL", "V", kd.bf16], out: kd.Out["BQ", "H", "V", kd.bf16]):
-    """out[m, h] = bf16(combine of the splits of (m, h)) @ W_UV[h]: the split merge of
-    mla_decode_combine (split order, an online log-sum-exp, the same f32 ops) per DL tile, rounded
-    to bf16 as that kernel stores it, then multiplied into W_UV with an f32 accumulator."""
+    """out[m, h] = bf16(combine of the splits of (m, h)) @ W_UV[h]: per DL tile, an online
+    log-sum-exp over the splits in split order, BLOCK_S splits a step (the tile's max, one rescale
+    of the running state, the tile's weighted sum), rounded to bf16, then multiplied into W_UV with
+    an f32 accumulator. BLOCK_S 1 is mla_decode_combine's merge, op for op. Tiles start at
+    multiples of BLOCK_S from split 0 and an empty split (lse -inf, partial 0; past S: masked to
+    the same) adds an exact zero, so a row's result does not depend on how many splits the launch
+    has beyond its own; BLOCK_S changes the summation order, so it is a numerics key."""
     m, v, h = kd.grid(kd.tile("BQ", "BLOCK_M", domain=(1, 2, 4, 16, 32), default=1),
                       kd.tile("V", "BLOCK_V", domain=(32, 64, 128, 256), default=128), kd.each("H"))
 
     def ctile(c, y):
         def merge(s, m_i, l_i, acc):
-            ls = kd.max(lse[m, h, s], axis=s)
-            m_new = kd.maximum(m_i, ls)
+            ls = lse.load(m, h, s, other=float("-inf"))
+            m_new = kd.maximum(m_i, kd.max(ls, axis=s))
             alpha = kd.exp2(m_i - m_new)
             w = kd.exp2(ls - m_new)
-            return m_new, l_i * alpha + w, acc * alpha + kd.sum(part[m, h, s, c], axis=s) * w
+            return m_new, l_i * alpha + kd.sum(w, axis=s), acc * alpha + kd.sum(part[m, h, s, c] * w, axis=s)
 
-        init = (kd.full((m, c), _NEG_BIG, kd.f32), kd.zeros((m, c), kd.f32), kd.zeros((m, c), kd.f32))
-        m_i, l_i, acc = kd.fold(kd.tiles("S", block=1, label="s"), init, merge)
+        init = (kd.full((m,), _NEG_BIG, kd.f32), kd.zeros((m,), kd.f32), kd.zeros((m, c), kd.f32))
+        ss = kd.tiles("S", block="BLOCK_S", domain=(1, 2, 4, 8, 16, 32, 64, 128), default=1, label="s")
+        m_i, l_i, acc = kd.fold(ss, init, merge)
         o = (acc / kd.where(l_i > 0, l_i, 1.0)).to(kd.bf16)
         return y + kd.dot(o, wuv[h, c, v])
 
@@ -263,6 +269,17 @@ def mla_q_absorb_ref(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin
     nope = w_uk.shape[1]
     lat = torch.einsum("thn,hnc->thc", q[..., :nope].float(), w_uk.float()).to(torch.bfloat16)
     return torch.cat([lat, rope_ref(q[..., nope:], cos, sin, "interleaved")], -1)
+
+
+def mla_combine_uv_ref(part: torch.Tensor, lse: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """mla_combine_uv in plain torch: the splits merged by their log2-sum-exp weights in f64 (a row
+    with no split, every lse -inf, is 0), rounded to bf16, times W_UV[h] in f32, rounded to bf16."""
+    lse64 = lse.double()
+    top = lse64.amax(-1, keepdim=True)
+    w = torch.exp2(lse64 - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+    den = w.sum(-1, keepdim=True)
+    o = ((part.double() * w[..., None]).sum(-2) / torch.where(den > 0, den, torch.ones_like(den))).to(torch.bfloat16)
+    return torch.einsum("mhc,hcv->mhv", o.float(), w_uv.float()).to(torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------

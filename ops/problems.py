@@ -476,12 +476,42 @@ def _absorb_bytes(p: Problem, m: int) -> float:
     return p["H"] * p["NOPE"] * p["DL"] * 2 + m * (p["H"] * (dqk + dq) * 2 + 2 * p["R2"] * 4)
 
 
+# The split kernel's rope dim and page size are no part of the combine's key: Kimi's (and the
+# bench's) 64 and 64 name the split problem whose tuned tile sets the combine's split count.
+_SPLIT_DR, _SPLIT_PS = 64, 64
+
+
+def _split_tokens(target: Any, heads: int, latent: int) -> int:
+    """SPLIT_TOKENS of the split kernel a batch-invariant mla_decode runs before the combine: the
+    M=1 entry of its tuned q_len-1 file on this arch (ops.mla.mla_decode: invariant_config with
+    QL 1), else the kernel's default."""
+    import warnings
+
+    from autotune import lookup_config
+    from ops.mla import mla_decode_split
+
+    prob = {"QL": 1, "H": heads, "DL": latent, "DR": _SPLIT_DR, "PS": _SPLIT_PS}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = lookup_config(mla_decode_split, target.name, prob, 1)
+    static = {"QL": 1, "DL": latent, "DR": _SPLIT_DR}
+    return int(cfg.get("SPLIT_TOKENS", mla_decode_split.tunables(static=static)["SPLIT_TOKENS"].default))
+
+
 def _combine_uv_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
-    """The split count of the MLA split kernel it follows (batch-invariant plan at the problem's
-    context), unless the recorded launch bound one."""
+    """The split count S of the MLA split kernel it follows, unless the recorded launch bound one.
+    The tuner assumes what mla_decode launches at the problem's context (NOMINAL_CTX 8192 unless
+    CTX is given): a batch-invariant plan over a table that holds the context and the new token,
+    in pages of 64 (bench.step's table: 8193 tokens -> 129 pages -> 8256), with the SPLIT_TOKENS of
+    the arch's tuned split kernel, capped at max_splits_for(H): gfx942 H=8: 128 -> 65 splits (the
+    65th covers the new token), gfx950 H=8 or 16: 64 -> 128 (the cap), H=64: 256 -> 32 (the cap).
+    S is a compile-time dim and sets the split loop's trips, so scoring at another S (the old fixed
+    256: 32 at H=8) tunes BLOCK_S for a loop the step does not run."""
     if "S" in d:
         return {}
-    return {"S": launch_split_count(_ctx(d), m, d["H"], 16, 32, 256, target.cu_count, max_splits_for(d["H"]))}
+    cap = -(-(_ctx(d) + 1) // _SPLIT_PS) * _SPLIT_PS
+    st = _split_tokens(target, d["H"], d["DL"])
+    return {"S": launch_split_count(cap, m, d["H"], 16, 32, st, target.cu_count, max_splits_for(d["H"]))}
 
 
 MLA_FUSED_MODELS = [
@@ -505,9 +535,10 @@ MLA_FUSED_MODELS = [
                  shared_numerics=True),
     # floor: W_UV once and the bf16 output; the f32 split partials it reads are the split's overhead
     ProblemModel("mla_combine_uv", ("H", "DL", "V"), m_dim="BQ", m_block="BLOCK_M", peak_dtype="bf16",
-                 loop_dim="DL", loop_block="BLOCK_C", launch_dims=_combine_uv_launch,
+                 loop_dim="DL", loop_block="BLOCK_C", inner_loop=("S", "BLOCK_S"), launch_dims=_combine_uv_launch,
                  bytes_fn=lambda p, m: p["H"] * p["DL"] * p["V"] * 2 + m * p["H"] * p["V"] * 2,
                  flops_fn=lambda p, m: 2.0 * m * p["H"] * p["DL"] * p["V"],
-                 extra_bytes_fn=lambda p, m, d: m * p["H"] * int(d.get("S", p.get("S", 1))) * (p["DL"] + 1) * 4.0),
+                 extra_bytes_fn=lambda p, m, d: m * p["H"] * int(d.get("S", p.get("S", 1))) * (p["DL"] + 1) * 4.0,
+                 shared_numerics=True),  # combine_uv: invariant_config, the M=1 entry's tiles at any M
 ]
 register(*MLA_FUSED_MODELS)

@@ -71,6 +71,29 @@ def test_mla_split_cap_follows_the_heads(heads: int, splits: int) -> None:
     assert d["S"] * d["CHUNK"] >= P.NOMINAL_CTX   # the splits cover the table's capacity
 
 
+@pytest.mark.parametrize("arch, heads", [("gfx942", 8), ("gfx942", 64), ("gfx950", 8), ("gfx950", 16), ("gfx950", 64)])
+def test_combine_uv_scored_at_the_split_count_the_op_launches(arch: str, heads: int) -> None:
+    """The tuner scores mla_combine_uv at the S that mla_decode gives it at the nominal context (a
+    table of that context and the new token, in pages of 64, as bench.step's): the split plan of the
+    tuned q_len-1 split config of that arch and head count (its SPLIT_TOKENS), not a fixed 256. Its main loop is the split loop nested in each DL tile: DL/BLOCK_C x S/BLOCK_S trips."""
+    from ops._common import invariant_config
+    from ops.mla_fused import mla_combine_uv
+
+    t = get_target(arch)
+    p1 = {**KIMI_MLA, "H": heads}
+    for m in (1, 8):
+        cfg = invariant_config(mla.mla_decode_split, p1, m, None, p1, arch=arch)
+        table = math.ceil((P.NOMINAL_CTX + 1) / 64) * 64
+        want = mla.split_plan(mla.mla_decode_split, cfg, {"QL": 1, "DL": 512, "DR": 64}, m, table, heads,
+                              cfg.get("BLOCK_M", 16), None, True, t.cu_count, "test", mla.max_splits_for(heads))
+        c = {"BLOCK_C": 128, "BLOCK_S": 16}
+        d = P.full_dims(mla_combine_uv, {"H": heads, "DL": 512, "V": 128}, m, c, t)
+        assert d["S"] == want and d["BQ"] == m
+        assert P.loop_iters(mla_combine_uv, d, c) == 4 * math.ceil(want / 16)
+    bound = P.full_dims(mla_combine_uv, {"H": heads, "DL": 512, "V": 128, "S": 65}, 2, c, t)  # a recorded launch
+    assert bound["S"] == 65 and P.loop_iters(mla_combine_uv, bound, c) == 4 * 5
+
+
 def test_mha_launch_dims_match_the_op() -> None:
     t = get_target("gfx942")
     d = P.full_dims(mha.mha_decode, {**DRAFT_MHA, "QL": 4, "KVH": 16}, 8, {"BLOCK_M": 16, "BLOCK_N": 64}, t)

@@ -64,6 +64,21 @@ def test_tuned_configs_reduce_to_one_numerics_choice(arch: str) -> None:
     assert len({str(_numerics(invariant_config(moe.moe_stage2_w4a16, s2, m, None, arch=arch))) for m in (1, 64)}) == 1
 
 
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_combine_uv_tuned_files_share_one_split_tile(arch: str) -> None:
+    """mla_combine_uv's launches take BLOCK_S (and every other numerics key) from the M=1 entry at
+    any M; the tuner picks that tile jointly (shared numerics), so every bucket of a file has it."""
+    from autotune import lookup_config
+    from ops.mla_fused import mla_combine_uv
+
+    for h in (8, 64):
+        p = {"H": h, "DL": 512, "V": 128}
+        ms = (1, 2, 8, 64, 128)
+        raw = {str(_numerics(lookup_config(mla_combine_uv, arch, p, m))) for m in ms}
+        inv = {str(_numerics(invariant_config(mla_combine_uv, p, m, None, arch=arch))) for m in ms}
+        assert len(raw) == 1 and raw == inv and "BLOCK_S" in raw.pop()
+
+
 def _kimi_cfg(kern, arch, problem, m, ref):
     """The invariant config tuned at the Kimi shape, minus the keys that only size GPU launches."""
     return invariant_config(kern, problem, m, None, ref, arch=arch)

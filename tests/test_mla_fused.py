@@ -12,8 +12,11 @@ Tolerances:
   tiles, the cache rows bit-identical to mla_prep's (the same f32 expressions over the same row);
   given the kv part as split-K partials [S, T, DL + R] f32 (S 1, 3, 4), bit-identical to feeding the
   bf16 row of their sum in split order (ops.gemm.splitk_sum_ref).
-- mla_combine_uv: with W_UV = identity it returns mla_decode_combine's bf16 output bit for bit (the
-  same split merge); with a random W_UV it matches bf16(combine) @ W_UV in f32 within one bf16 ulp.
+- mla_combine_uv: with W_UV = identity and BLOCK_S 1 it returns mla_decode_combine's bf16 output bit
+  for bit (the same split merge); with a random W_UV it matches bf16(combine) @ W_UV in f32 within one
+  bf16 ulp. At any BLOCK_S (S not a multiple of it included) against mla_combine_uv_ref (f64 merge):
+  the merged latent may round to the neighbouring bf16 (the tile sums in another order), so
+  rtol 2^-7 with atol 1e-2 on O(1) outputs; empty splits appended to a launch change no bit.
 """
 from __future__ import annotations
 
@@ -299,6 +302,48 @@ def test_combine_uv_identity_equals_combine_bit_for_bit(splits):
         out = poisoned((4, H, C), torch.bfloat16)
         F.mla_combine_uv(part, lse, eye, out, config=cfg)
         assert torch.equal(out, want) and (out[2] == 0).all()
+
+
+def _combine_case(BQ, H, S, C, V, seed):
+    """Partials, log2-sum-exps (an empty split, a row with none) and W_UV, fresh random."""
+    g = torch.Generator().manual_seed(seed)
+    part = torch.randn(BQ, H, S, C, generator=g)
+    lse = torch.randn(BQ, H, S, generator=g) * 4
+    part[0, 0, 1], lse[0, 0, 1] = 0.0, float("-inf")                # an empty split
+    part[-1, -1], lse[-1, -1] = 0.0, float("-inf")                  # a (row, head) that saw nothing: 0
+    return part, lse, _rand(H, C, V, g=g, scale=0.5)
+
+
+@pytest.mark.parametrize("block_s,S", [(1, 5), (2, 5), (4, 5), (8, 5), (4, 8), (16, 9)])
+def test_combine_uv_block_s_matches_reference(block_s, S):
+    """BLOCK_S splits a step, S a multiple of it or not, against the plain-torch merge."""
+    BQ, H, C, V = 3, 2, 32, 24
+    part, lse, w = _combine_case(BQ, H, S, C, V, seed=10 + S + block_s)
+    for cfg in ({"BLOCK_M": 1, "BLOCK_V": 32, "BLOCK_C": 16}, {"BLOCK_M": 4, "BLOCK_V": 32, "BLOCK_C": 32}):
+        out = poisoned((BQ, H, V), torch.bfloat16)
+        F.mla_combine_uv(part, lse, w, out, config={**cfg, "BLOCK_S": block_s})
+        assert not out.isnan().any() and (out[-1, -1] == 0).all()
+        torch.testing.assert_close(out.float(), F.mla_combine_uv_ref(part, lse, w).float(), rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize("block_s", [1, 2, 4, 8])
+def test_combine_uv_empty_splits_change_no_bit(block_s):
+    """A launch with more splits than a row's own (lse -inf, partial 0 beyond them, as the split
+    kernel writes past a short sequence) returns the same bits: tiles start at multiples of BLOCK_S."""
+    BQ, H, S, C, V = 2, 3, 5, 32, 16
+    part, lse, w = _combine_case(BQ, H, S, C, V, seed=20 + block_s)
+    cfg = {"BLOCK_M": 2, "BLOCK_V": 32, "BLOCK_C": 16, "BLOCK_S": block_s}
+    base = poisoned((BQ, H, V), torch.bfloat16)
+    F.mla_combine_uv(part, lse, w, base, config=cfg)
+    for extra in (1, 3, 11):
+        p2 = torch.cat([part, torch.zeros(BQ, H, extra, C)], 2)
+        l2 = torch.cat([lse, torch.full((BQ, H, extra), float("-inf"))], 2)
+        out = poisoned((BQ, H, V), torch.bfloat16)
+        F.mla_combine_uv(p2, l2, w, out, config=cfg)
+        assert torch.equal(out, base)
+    one = poisoned((1, H, V), torch.bfloat16)                       # row 0 alone: the batch changes no bit
+    F.mla_combine_uv(part[:1].contiguous(), lse[:1].contiguous(), w, one, config=cfg)
+    assert torch.equal(one, base[:1])
 
 
 @settings(max_examples=5)
