@@ -161,6 +161,13 @@ MODELS: list[ProblemModel] = [
     ProblemModel("gemm_bf16_rmsnorm", ("N", "K"), peak_dtype="bf16",
                  bytes_fn=lambda p, m: _gemm(2, 2, "bf16")[0](p, m) + 2 * p["K"],
                  flops_fn=lambda p, m: _gemm(2, 2, "bf16")[1](p, m) + 4.0 * m * p["K"], shared_numerics=True),
+    # the MLP down GEMM over split-K gate|up partials: the floor is a gemm_bf16 over the bf16 [M, I]
+    # SwiGLU rows; reading the S x [M, 2I] f32 partials instead is the split's extra traffic (each
+    # program re-adds them, L2-resident after the first N tile)
+    ProblemModel("gemm_bf16_swiglu", ("N", "I", "S"), peak_dtype="bf16", loop_dim="I",
+                 bytes_fn=lambda p, m: p["N"] * p["I"] * 2 + m * p["I"] * 2 + m * p["N"] * 2,
+                 flops_fn=lambda p, m: 2.0 * m * p["N"] * p["I"], derived=lambda p, m, c: {"N2": 2 * p["I"]},
+                 extra_bytes_fn=lambda p, m, d: m * p["I"] * (8.0 * p["S"] - 2), shared_numerics=True),
     ProblemModel("gemm_bf16*", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],
                  flops_fn=_gemm(2, 2, "bf16")[1], shared_numerics=True),
     ProblemModel("gemm_fp8*", ("N", "K"), peak_dtype="fp8", bytes_fn=_gemm(1, 1, "fp8")[0],
