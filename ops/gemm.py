@@ -8,7 +8,10 @@ Weights are [N, K], K-contiguous (the checkpoint layout). Kernels:
 - gemm_w4a8_order  the same with Quark sequential ("order") packing
 - gemm_w4a8_i32acc the W4A8 main loop storing the raw i32 accumulator (tests it exactly)
 - gemm_bf16_silu_mul  bf16 gate|up GEMM over stacked [2I, K] weights, SiLU(gate)*up epilogue -> bf16 [M, I]
-- gemm_bf16_rmsnorm   bf16 GEMM over RMSNorm(x) * norm weight, the norm in a prologue (MLA's q_b over raw q_a rows)
+- gemm_bf16_splitk    bf16 x bf16 split along K: f32 partial sums [S, M, N], no atomics (MLA's q_a|kv_a GEMM,
+                      whose two consumers add the splits in order and round to bf16)
+- gemm_bf16_rmsnorm   bf16 GEMM over RMSNorm(x) * norm weight, the norm in a prologue (MLA's q_b over raw q_a
+                      rows), x given as split-K partials [S, M, K] f32 (S = 1: one plain f32 row)
 - gemm_w4a16       bf16 act x int4 compressed-tensors weight, bf16 group-32 scales [N, K/32]
 The int paths accumulate exactly in int32 and apply `acc * x_scale[m] * w_scale[n]` in f32 once.
 
@@ -161,36 +164,79 @@ def gemm_bf16_silu_mul_kernel(x: kd.In["M", "K", kd.bf16], w13: kd.In["N2", "K",
     out[m, n] = kd.silu(ag.to(kd.bf16).to(kd.f32)) * au.to(kd.bf16).to(kd.f32)
 
 
+SPLIT_K_DOMAIN = tuple(range(1, 9))
+SPLIT_K_SEARCH = (1, 2, 4, 8)  # what the tuner tries; any count in the domain is a valid launch
+SPLIT_K_DEFAULT = 4
+
+
+@kd.kernel(name="gemm_bf16_splitk", example={"S": SPLIT_K_DEFAULT, "M": 1, "N": 2112, "K": 7168})
+def gemm_bf16_splitk_kernel(x: kd.In["M", "K", kd.bf16], w: kd.In["N", "K", kd.bf16],
+                            part: kd.Out["S", "M", "N", kd.f32]):
+    """Split-K bf16 GEMM: part[s] = x[:, Ks] @ w[:, Ks]^T in f32 over the K range of split s,
+    Ks = [s * KS, min(K, (s + 1) * KS)), KS = cdiv(cdiv(K, S), BLOCK_K) * BLOCK_K; no atomics, a
+    consumer adds the S partials in split order. At decode sizes a GEMM with a small N (MLA's
+    q_a|kv_a, N=2112) has too few (M, N) tiles to fill the CUs; S splits give S times the programs
+    at the same tile. SPLIT_K is the op's split count (it allocates part [SPLIT_K, M, N]); the kernel
+    splits by part's S dim, so any S is a correct decomposition."""
+    kd.tunable("SPLIT_K", SPLIT_K_DOMAIN, SPLIT_K_DEFAULT, "splits along K (the S dim of part): more programs",
+               search=SPLIT_K_SEARCH)
+    m, n, s = kd.grid(kd.tile("M", "BLOCK_M", domain=BM_DOMAIN, default=16),
+                      kd.tile("N", "BLOCK_N", domain=BN_DOMAIN, default=16), kd.each("S"))
+    bk = kd.tunable("BLOCK_K", BK_DOMAIN, 64)
+    K = kd.dim("K")
+    ks = kd.cdiv(kd.cdiv(K, kd.dim("S")), bk) * bk
+    k0 = s * ks
+    k1 = kd.minimum(K, k0 + ks)
+    span = kd.tiles(start=k0, stop=k1, block="BLOCK_K", domain=BK_DOMAIN, default=64, label="K")
+    part[s, m, n] = kd.fold(span, kd.zeros((m, n), kd.f32), lambda k, acc: acc + kd.dot(x[m, k], w[n, k]))
+
+
+def splitk_rows(part, rows, cols, row_mask=None):
+    """part[0] + part[1] + ... + part[S-1] at (rows, cols) in split order (f32), rounded to bf16 as
+    a plain GEMM stores its output, returned in f32: what a consumer of gemm_bf16_splitk reads in
+    place of the bf16 GEMM output (S = 1: that row itself). `row_mask`: loads only where it holds."""
+    first = part.load(0, rows, cols, mask=row_mask)
+
+    def add(s, acc):
+        return acc + kd.sum(part.load(s, rows, cols, mask=row_mask), axis=s)
+
+    total = kd.fold(kd.tiles(start=1, stop=kd.dim("S"), block=1, label="s"), first, add)
+    return total.to(kd.bf16).to(kd.f32)
+
+
 NORM_K_DOMAIN = (64, 128, 256, 512, 1024, 2048, 4096)
 
 
-@kd.kernel(name="gemm_bf16_rmsnorm", example={"M": 1, "N": 12288, "K": 1536})
-def gemm_bf16_rmsnorm_kernel(x: kd.In["M", "K", kd.bf16], xw: kd.In["K", kd.bf16], w: kd.In["N", "K", kd.bf16],
+@kd.kernel(name="gemm_bf16_rmsnorm", example={"S": 1, "M": 1, "N": 12288, "K": 1536})
+def gemm_bf16_rmsnorm_kernel(x: kd.In["S", "M", "K", kd.f32], xw: kd.In["K", kd.bf16], w: kd.In["N", "K", kd.bf16],
                              out: kd.Out["M", "N", kd.bf16], eps: kd.Scalar[kd.f32]):
-    """out = bf16(rmsnorm(x) * xw) @ w^T: the norm in a prologue, so the normed rows never leave the
-    program (MLA's q_b GEMM reads the raw q_a rows of the q_a|kv_a output in place). Each program
-    sums its rows' squares over K in f32 (NORM_K-wide tiles: at NORM_K >= K one reduction, the
-    order of ops.mla_fused.mla_prep_qkv), then scales each A tile by rstd * xw and rounds it to bf16
-    before the dot, the expressions and rounding of that kernel's q_c."""
+    """out = bf16(rmsnorm(xr) * xw) @ w^T, xr = bf16(x[0] + ... + x[S-1]) the row of split-K
+    partials (gemm_bf16_splitk; S = 1 an f32 row): the split sum and the norm in a prologue, so
+    neither the q_a rows nor the normed rows leave the program (MLA's q_b GEMM reads the q_a columns
+    of the q_a|kv_a partials in place). Each program sums its rows' squares over K in f32 (NORM_K-wide
+    tiles: at NORM_K >= K one reduction, the order of ops.mla_fused.mla_prep_qkv), then scales each
+    A tile by rstd * xw and rounds it to bf16 before the dot, the expressions and rounding of that
+    kernel's q_c."""
     m, n = _tiles()
     nk = kd.tiles("K", block="NORM_K", domain=NORM_K_DOMAIN, default=256, label="kn")
 
     def squares(k, s):
-        v = x[m, k].to(kd.f32)
+        v = splitk_rows(x, m, k)
         return s + kd.sum(v * v, axis=k)
 
     ss = kd.fold(nk, kd.zeros((m,), kd.f32), squares)
     rstd = kd.rsqrt(ss / kd.dim("K") + eps)
 
     def body(k, acc):
-        a = (x[m, k].to(kd.f32) * rstd * xw[k].to(kd.f32)).to(kd.bf16)
+        a = (splitk_rows(x, m, k) * rstd * xw[k].to(kd.f32)).to(kd.bf16)
         return acc + kd.dot(a, w[n, k])
 
     out[m, n] = kd.fold(_k(64), kd.zeros((m, n), kd.f32), body)
 
 
 KERNELS = (gemm_bf16_kernel, gemm_fp8_kernel, gemm_w8a8_kernel, gemm_w4a8_kernel, gemm_w4a8_order_kernel,
-           gemm_w4a8_i32acc_kernel, gemm_w4a16_kernel, gemm_bf16_silu_mul_kernel, gemm_bf16_rmsnorm_kernel)
+           gemm_w4a8_i32acc_kernel, gemm_w4a16_kernel, gemm_bf16_silu_mul_kernel, gemm_bf16_splitk_kernel,
+           gemm_bf16_rmsnorm_kernel)
 W4A8_KERNELS = {"quark_reorder": gemm_w4a8_kernel, "quark_order": gemm_w4a8_order_kernel}
 
 
@@ -403,33 +449,107 @@ def gemm_bf16_silu_mul(x: torch.Tensor, w13: torch.Tensor, backend: str = "trito
     return out
 
 
+def splitk_sum_ref(part: torch.Tensor) -> torch.Tensor:
+    """bf16(part[0] + part[1] + ... + part[S-1]) with the f32 adds in split order: the row a consumer
+    of split-K partials reads (`splitk_rows` in the kernels)."""
+    acc = part[0].float()
+    for s in range(1, part.shape[0]):
+        acc = acc + part[s].float()
+    return acc.to(torch.bfloat16)
+
+
+def splitk_bounds(K: int, splits: int, block_k: int) -> list[tuple[int, int]]:
+    """The K range of each split of gemm_bf16_splitk: KS = cdiv(cdiv(K, S), BLOCK_K) * BLOCK_K, split
+    s covers [s * KS, min(K, (s + 1) * KS)) (empty past K)."""
+    ks = -(-(-(-K // splits)) // block_k) * block_k
+    return [(min(K, s * ks), min(K, (s + 1) * ks)) for s in range(splits)]
+
+
+def gemm_bf16_splitk_ref(x: torch.Tensor, w: torch.Tensor, splits: int, block_k: int) -> torch.Tensor:
+    """The f32 partials [S, M, N] of gemm_bf16_splitk, each computed in float64 and rounded once."""
+    parts = [x[:, a:b].double() @ w[:, a:b].double().T for a, b in splitk_bounds(x.shape[1], splits, block_k)]
+    return torch.stack(parts).float()
+
+
+def splitk_config(M: int, N: int, K: int, config: dict | None = None) -> dict:
+    """gemm_bf16_splitk's batch-invariant config at (N, K): the split count and tiles of the M=1
+    entry at every M (a row's bits never depend on the batch), launch keys from M's bucket."""
+    return invariant_config(gemm_bf16_splitk_kernel, {"N": N, "K": K}, M, config)
+
+
+def gemm_bf16_splitk(x: torch.Tensor, w: torch.Tensor, backend: str = "triton",
+                     config: dict | None = None) -> torch.Tensor:
+    """bf16 x [M, K] @ w [N, K]^T as split-K partial sums: f32 [S, M, N], S the tuned SPLIT_K (the
+    same at every M). `splitk_sum_ref` (or a consumer: gemm_bf16_rmsnorm, ops.mla_fused.q_absorb_append)
+    adds them in split order and rounds to bf16. The torch backend computes the same splits."""
+    name = "gemm_bf16_splitk"
+    _backend(name, backend)
+    M, N, K = _dims(name, x, w)
+    check_tensor(name, "x", x, 2, (torch.bfloat16,))
+    check_tensor(name, "w", w, 2, (torch.bfloat16,))
+    config = splitk_config(M, N, K, config)
+    splits = int(config.get("SPLIT_K", SPLIT_K_DEFAULT))
+    if splits not in SPLIT_K_DOMAIN:
+        raise ValueError(f"{name}: SPLIT_K must be one of {SPLIT_K_DOMAIN}, got {splits!r}")
+    if backend == "torch":
+        return gemm_bf16_splitk_ref(x, w, splits, int(config.get("BLOCK_K", 64))).to(x.device)
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    if M:
+        gemm_bf16_splitk_kernel(x, w, part, config=config)
+    return part
+
+
+def _partials(op: str, x: torch.Tensor) -> torch.Tensor:
+    """x as split-K partials [S, M, K] f32 (any strides with a contiguous last dim): a bf16 [M, K]
+    row block is taken as one split (an f32 copy, exact)."""
+    check_tensor(op, "x", x, None, last_contiguous=True)
+    if x.dim() == 2:
+        check_tensor(op, "x", x, 2, (torch.bfloat16,))
+        return x.float().unsqueeze(0)
+    if x.dim() != 3 or x.dtype != torch.float32:
+        raise TypeError(f"{op}: x must be bfloat16 [M, K] or float32 split-K partials [S, M, K], got "
+                        f"{str(x.dtype).replace('torch.', '')} {tuple(x.shape)}")
+    if x.shape[0] < 1:
+        raise ValueError(f"{op}: x partials need at least one split, got {tuple(x.shape)}")
+    return x
+
+
 def gemm_bf16_rmsnorm_ref(x: torch.Tensor, x_norm_w: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """gemm_bf16_ref over rmsnorm_ref(x, x_norm_w) (the normed rows rounded to bf16 first)."""
+    """gemm_bf16_ref over rmsnorm_ref(x, x_norm_w) (the normed rows rounded to bf16 first); x bf16
+    [M, K] or f32 split-K partials [S, M, K] (their `splitk_sum_ref`)."""
     from ops.norm import rmsnorm_ref
 
+    if x.dim() == 3:
+        x = splitk_sum_ref(x)
     return gemm_bf16_ref(rmsnorm_ref(x, x_norm_w, eps), w)
 
 
 def gemm_bf16_rmsnorm(x: torch.Tensor, x_norm_w: torch.Tensor, w: torch.Tensor, eps: float, backend: str = "triton",
                       config: dict | None = None, invariant: bool = True) -> torch.Tensor:
-    """bf16(rmsnorm(x) * x_norm_w) [M, K] @ w [N, K]^T -> bf16 [M, N] in one launch: the norm of
-    each row (f32, over all K) in the GEMM's prologue. x may be a strided view (any row stride, last
-    dim contiguous), e.g. the q_a columns of the q_a|kv_a GEMM output. `invariant` (default): the
-    M=1 tiles at every M, as `gemm_bf16`."""
+    """bf16(rmsnorm(xr) * x_norm_w) [M, K] @ w [N, K]^T -> bf16 [M, N] in one launch: the norm of
+    each row (f32, over all K) in the GEMM's prologue. x is bf16 [M, K] (xr = x) or the f32 split-K
+    partials [S, M, K] of gemm_bf16_splitk (xr = their bf16-rounded sum in split order); either may be
+    a strided view (any strides, last dim contiguous), e.g. the q_a columns of the q_a|kv_a output.
+    `invariant` (default): the M=1 tiles at every M, as `gemm_bf16`."""
     import math
 
     name = "gemm_bf16_rmsnorm"
     _backend(name, backend)
-    M, N, K = _dims(name, x, w)
-    check_tensor(name, "x", x, 2, (torch.bfloat16,))
-    check_tensor(name, "w", w, 2, (torch.bfloat16,))
+    xp = _partials(name, x)
+    check_tensor(name, "w", w, 2, (torch.bfloat16,), x.device, last_contiguous=True)
+    S, M, K = xp.shape
+    N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"{name}: K mismatch: x rows are K={K} wide but w is {tuple(w.shape)}")
+    if N < 1 or K < 1:
+        raise ValueError(f"{name}: N and K must be positive, got x {tuple(x.shape)}, w {tuple(w.shape)}")
     check_tensor(name, "x_norm_w", x_norm_w, 1, (torch.bfloat16,), x.device, contiguous=True)
     if x_norm_w.shape[0] != K:
         raise ValueError(f"{name}: x_norm_w must be [K={K}], got {tuple(x_norm_w.shape)}")
     if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"{name}: eps must be a finite number >= 0, got {eps!r}")
     if backend == "torch":
-        return gemm_bf16_rmsnorm_ref(x, x_norm_w, w, eps)
+        return gemm_bf16_rmsnorm_ref(xp, x_norm_w, w, eps)
     problem = {"N": N, "K": K}
     if invariant:
         config = invariant_config(gemm_bf16_rmsnorm_kernel, problem, M, config)
@@ -437,5 +557,5 @@ def gemm_bf16_rmsnorm(x: torch.Tensor, x_norm_w: torch.Tensor, w: torch.Tensor, 
         config = lookup_config(gemm_bf16_rmsnorm_kernel, kd.current_target().name, problem, max(M, 1))
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     if M:
-        gemm_bf16_rmsnorm_kernel(x, x_norm_w, w, out, float(eps), config=config)
+        gemm_bf16_rmsnorm_kernel(xp, x_norm_w, w, out, float(eps), config=config)
     return out

@@ -32,6 +32,7 @@ import torch
 
 import kdsl as kd
 from ops._common import check_backend, check_slots, check_tensor, invariant_config, validating
+from ops.gemm import splitk_rows, splitk_sum_ref
 
 # ---------------------------------------------------------------------------------------------
 # kernel bodies
@@ -135,7 +136,8 @@ def mla_q_absorb(q: kd.In["T", "H", "DQK", kd.bf16], wuk: kd.In["H", "NOPE", "DL
 
 
 def _append_rows(src, t, writer, wkv, i, cs, sn, slots, kv, eps):
-    """src[t, :DL + R] (the kv_a part of the q_a|kv_a output rows of tile t) -> the cache rows
+    """src[:, t, :DL + R] (the split-K partials of the kv_a part of the q_a|kv_a output rows of tile
+    t, added in split order and rounded to bf16: ops.gemm.splitk_rows) -> the cache rows
     rmsnorm(latent) * wkv | rope(k_pe) at slots[t], with the expressions of `_cache_row`; only where
     `writer` holds (a [rows] mask, so one program per row loads and stores). A slot < 0 stores
     nothing; a page index past the cache is dropped by the bounded-gather rule. cs/sn: cos/sin[t, i]
@@ -147,10 +149,10 @@ def _append_rows(src, t, writer, wkv, i, cs, sn, slots, kv, eps):
     page = slot // PS
     off = slot % PS
     keep = writer & (slot >= 0)
-    lat = _norm(src.load(t, d, mask=writer).to(kd.f32), d, wkv, eps, DL)
+    lat = _norm(splitk_rows(src, t, d, row_mask=writer), d, wkv, eps, DL)
     kv.store(page, off, d, value=lat, mask=keep)
-    x0 = src.load(t, DL + i * 2, mask=writer).to(kd.f32)
-    x1 = src.load(t, DL + i * 2 + 1, mask=writer).to(kd.f32)
+    x0 = splitk_rows(src, t, DL + i * 2, row_mask=writer)
+    x1 = splitk_rows(src, t, DL + i * 2 + 1, row_mask=writer)
     kv.store(page, off, DL + i * 2, value=x0 * cs - x1 * sn, mask=keep)
     kv.store(page, off, DL + i * 2 + 1, value=x1 * cs + x0 * sn, mask=keep)
 
@@ -162,17 +164,20 @@ _ABS_KV_CHECKS = [*_ABS_CHECKS,
 
 @kd.kernel(static=("NOPE", "R2", "DL"), checks=_ABS_KV_CHECKS,
            example={"T": 1, "H": 64, "DQK": 192, "NOPE": 128, "R2": 32, "DL": 512, "DQ": 576, "NK": 576,
-                    "NP": 4096, "PS": 64})
+                    "NP": 4096, "PS": 64, "S": 1})
 def mla_q_absorb_kv(q: kd.In["T", "H", "DQK", kd.bf16], wuk: kd.In["H", "NOPE", "DL", kd.bf16],
                     cos: kd.In["T", "R2", kd.f32], sin: kd.In["T", "R2", kd.f32],
-                    kva: kd.In["T", "NK", kd.bf16], wkv: kd.In["DL", kd.bf16], slots: kd.In["T", kd.i64],
+                    kva: kd.In["S", "T", "NK", kd.f32], wkv: kd.In["DL", kd.bf16], slots: kd.In["T", kd.i64],
                     out: kd.Out["T", "H", "DQ", kd.bf16], kv: kd.InOut["NP", "PS", "DQ", kd.bf16],
                     eps: kd.Scalar[kd.f32]):
     """mla_q_absorb plus the cache append of mla_prep_qkv: out[t, h] = (q_nope @ W_UK[h]) |
     rope(q_pe), and the program of head 0 and the first DL tile also writes its rows' cache rows
     rmsnorm(kva latent) * wkv | rope(k_pe) at slots[t] (exactly one program per row: no two
-    programs store the same cache row). The q_b GEMM before it then reads the raw q_a rows
-    (ops.gemm.gemm_bf16_rmsnorm), so the MLA front needs no separate prep launch."""
+    programs store the same cache row). kva holds the kv part of the q_a|kv_a GEMM as split-K
+    partials [S, T, DL + R] f32 (ops.gemm.gemm_bf16_splitk; S = 1 one f32 row), added in split
+    order and rounded to bf16 as the GEMM's bf16 output would be. The q_b GEMM before it reads the
+    q_a part of the same partials (ops.gemm.gemm_bf16_rmsnorm), so the MLA front needs no separate
+    prep launch."""
     t, c, h = kd.grid(kd.tile("T", "BLOCK_T", domain=(1, 2, 4, 16, 32, 64), default=1),
                       kd.tile("DL", "BLOCK_C", domain=(32, 64, 128, 256, 512), default=128), kd.each("H"))
     NOPE = kd.static("NOPE")
@@ -372,21 +377,29 @@ def q_absorb_append(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin:
     the absorbed query [T, H, DL + R] and writes rmsnorm(kva[:, :DL]) * kv_norm_w |
     rope_interleaved(kva[:, DL:]) at `slots` [T] of the paged cache [pages, page_size, DL + R].
     kva [T, DL + R] is the kv_a part of the q_a|kv_a output (any row stride, last dim contiguous).
+    kva may also be given as the f32 split-K partials [S, T, DL + R] of that GEMM (ops.gemm.
+    gemm_bf16_splitk, e.g. its kv columns: any strides, last dim contiguous); the kernel adds them in
+    split order and rounds to bf16, the row a bf16 GEMM would have stored.
     A slot < 0 (padding) or past the cache is skipped on both backends; `validate=True` refuses one
     past the cache instead (a device read). `invariant` (default): the M=1 tiles at every T."""
     op = "mla_q_absorb_kv"
     check_backend(op, backend)
     T, H, nope, DL, R = _check_absorb(op, q, w_uk, cos, sin)
     dev = q.device
-    check_tensor(op, "kva", kva, 2, (torch.bfloat16,), dev, last_contiguous=True)
+    check_tensor(op, "kva", kva, None, (torch.bfloat16, torch.float32), dev, last_contiguous=True)
+    if kva.dim() == 2 and kva.dtype == torch.bfloat16:
+        kva = kva.float().unsqueeze(0)  # one split (exact)
+    elif kva.dim() != 3 or kva.dtype != torch.float32 or kva.shape[0] < 1:
+        raise ValueError(f"{op}: kva must be bfloat16 [T, DL + R] or float32 split-K partials [S >= 1, T, DL + R], "
+                         f"got {str(kva.dtype).replace('torch.', '')} {tuple(kva.shape)}")
     check_tensor(op, "kv_cache", kv_cache, 3, (torch.bfloat16,), dev, contiguous=True)
     check_tensor(op, "kv_norm_w", kv_norm_w, 1, (torch.bfloat16,), dev, contiguous=True)
     check_tensor(op, "slots", slots, 1, (torch.int32, torch.int64), dev)
     if kv_norm_w.shape[0] != DL or kv_cache.shape[-1] != DL + R:
         raise ValueError(f"{op}: kv_norm_w must be [{DL}] and the cache [pages, page_size, {DL + R}] for a "
                          f"{DL}-wide latent and rope {R}, got {tuple(kv_norm_w.shape)} and {tuple(kv_cache.shape)}")
-    if kva.shape != (T, DL + R):
-        raise ValueError(f"{op}: kva must be [{T}, {DL + R}], got {tuple(kva.shape)}")
+    if kva.shape[1:] != (T, DL + R):
+        raise ValueError(f"{op}: kva must be [{T}, {DL + R}] (or [S, {T}, {DL + R}] partials), got {tuple(kva.shape)}")
     if slots.shape != (T,):
         raise ValueError(f"{op}: slots must be [{T}], got {tuple(slots.shape)}")
     if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
@@ -394,7 +407,7 @@ def q_absorb_append(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin:
     if validating(validate):
         check_slots(op, slots, kv_cache.shape[0] * kv_cache.shape[1])
     if backend == "torch":
-        mla_prep_ref(kva, None, kv_norm_w, cos, sin, slots, kv_cache, eps, 0)
+        mla_prep_ref(splitk_sum_ref(kva), None, kv_norm_w, cos, sin, slots, kv_cache, eps, 0)
         return mla_q_absorb_ref(q, w_uk, cos, sin)
     out = torch.empty(T, H, DL + R, dtype=torch.bfloat16, device=dev)
     if T == 0:

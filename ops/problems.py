@@ -152,22 +152,39 @@ def _silu_gemm_bytes(p: Problem, m: int) -> float:
     return p["N2"] * p["K"] * 2 + m * p["K"] * 2 + m * (p["N2"] // 2) * 2
 
 
+def _splitk_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    """gemm_bf16_splitk's partial count S (= SPLIT_K, the op allocates [SPLIT_K, M, N]) and KS, the
+    K elements of one split (a BLOCK_K multiple): ops.gemm.splitk_bounds."""
+    from ops.gemm import SPLIT_K_DEFAULT
+
+    s, bk = int(c.get("SPLIT_K", SPLIT_K_DEFAULT)), int(c.get("BLOCK_K", 64))
+    return {"S": s, "KS": -(-(-(-p["K"] // s)) // bk) * bk}
+
+
 MODELS: list[ProblemModel] = [
     ProblemModel("gemm_bf16_silu_mul", ("N2", "K"), peak_dtype="bf16", bytes_fn=_silu_gemm_bytes,
                  flops_fn=lambda p, m: 2.0 * m * p["N2"] * p["K"], derived=lambda p, m, c: {"I": p["N2"] // 2},
                  shared_numerics=True),
     # the q_b GEMM with the q_a RMSNorm in its prologue: the gemm bytes plus the norm weight; the
-    # prologue's second read of each program's rows hits L2 (no extra HBM stream)
+    # prologue's second read of each program's rows hits L2 (no extra HBM stream). Its rows come as
+    # split-K partials [S, M, K] f32 (S of the recorded launch; 1 when tuned): their traffic is
+    # charged to gemm_bf16_splitk, which writes them
     ProblemModel("gemm_bf16_rmsnorm", ("N", "K"), peak_dtype="bf16",
                  bytes_fn=lambda p, m: _gemm(2, 2, "bf16")[0](p, m) + 2 * p["K"],
-                 flops_fn=lambda p, m: _gemm(2, 2, "bf16")[1](p, m) + 4.0 * m * p["K"], shared_numerics=True),
-    # the MLP down GEMM over split-K gate|up partials: the floor is a gemm_bf16 over the bf16 [M, I]
-    # SwiGLU rows; reading the S x [M, 2I] f32 partials instead is the split's extra traffic (each
-    # program re-adds them, L2-resident after the first N tile)
-    ProblemModel("gemm_bf16_swiglu", ("N", "I", "S"), peak_dtype="bf16", loop_dim="I",
+                 flops_fn=lambda p, m: _gemm(2, 2, "bf16")[1](p, m) + 4.0 * m * p["K"], shared_numerics=True,
+                 derived=lambda p, m, c: {"S": p.get("S", 1)}),
+    # split-K: the floor of the plain GEMM; the f32 partials [S, M, N] written and read back once by
+    # the consumers are the split's extra traffic; S = SPLIT_K more programs, each looping over KS
+    ProblemModel("gemm_bf16_splitk", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],
+                 flops_fn=_gemm(2, 2, "bf16")[1], derived=_splitk_derived, loop_dim="KS",
+                 extra_bytes_fn=lambda p, m, d: 2.0 * d["S"] * m * p["N"] * 4, shared_numerics=True),
+    # the MLP down GEMM over split-K gate|up partials [S, M, 2I] (S a runtime dim; 1 when tuned, as
+    # gemm_bf16_rmsnorm): a gemm_bf16 over the bf16 SwiGLU rows; the partials' traffic is charged to
+    # gemm_bf16_splitk, which writes them
+    ProblemModel("gemm_bf16_swiglu", ("N", "I"), peak_dtype="bf16", loop_dim="I",
                  bytes_fn=lambda p, m: p["N"] * p["I"] * 2 + m * p["I"] * 2 + m * p["N"] * 2,
-                 flops_fn=lambda p, m: 2.0 * m * p["N"] * p["I"], derived=lambda p, m, c: {"N2": 2 * p["I"]},
-                 extra_bytes_fn=lambda p, m, d: m * p["I"] * (8.0 * p["S"] - 2), shared_numerics=True),
+                 flops_fn=lambda p, m: 2.0 * m * p["N"] * p["I"],
+                 derived=lambda p, m, c: {"N2": 2 * p["I"], "S": p.get("S", 1)}, shared_numerics=True),
     ProblemModel("gemm_bf16*", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],
                  flops_fn=_gemm(2, 2, "bf16")[1], shared_numerics=True),
     ProblemModel("gemm_fp8*", ("N", "K"), peak_dtype="fp8", bytes_fn=_gemm(1, 1, "fp8")[0],
@@ -491,7 +508,7 @@ MLA_FUSED_MODELS = [
                  bytes_fn=lambda p, m: _absorb_bytes(p, m) + _prep_bytes(False)(p, m),
                  flops_fn=lambda p, m: 2.0 * m * p["H"] * p["NOPE"] * p["DL"] + m * (4.0 * p["DL"] + 6.0 * p["R2"]),
                  derived=lambda p, m, c: {"DQK": p["NOPE"] + 2 * p["R2"], "DQ": p["DL"] + 2 * p["R2"],
-                                          "NK": p["DL"] + 2 * p["R2"], "NP": 4096, "PS": 64},
+                                          "NK": p["DL"] + 2 * p["R2"], "NP": 4096, "PS": 64, "S": p.get("S", 1)},
                  shared_numerics=True),
     # floor: W_UV once and the bf16 output; the f32 split partials it reads are the split's overhead
     ProblemModel("mla_combine_uv", ("H", "DL", "V"), m_dim="BQ", m_block="BLOCK_M", peak_dtype="bf16",

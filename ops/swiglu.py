@@ -15,29 +15,25 @@ import torch
 
 import kdsl as kd
 from ops._common import check_backend, check_tensor, config_for, invariant_config
-from ops.gemm import BK_DOMAIN, BM_DOMAIN, BN_DOMAIN, gemm_bf16_ref
+from ops.gemm import BK_DOMAIN, BM_DOMAIN, BN_DOMAIN, gemm_bf16_ref, splitk_rows, splitk_sum_ref
 
 EXAMPLE = {"S": 4, "M": 1, "N2": 512, "I": 256, "N": 7168}
 
 
-@kd.kernel(name="gemm_bf16_swiglu", static=("S",), example=EXAMPLE,
+@kd.kernel(name="gemm_bf16_swiglu", example=EXAMPLE,
            checks=[("N2", lambda d: d["N2"] == 2 * d["I"], "part must be [S, M, 2*I] (gate columns then up)")])
 def gemm_bf16_swiglu_kernel(part: kd.In["S", "M", "N2", kd.f32], w: kd.In["N", "I", kd.bf16],
                             out: kd.Out["M", "N", kd.bf16]):
-    """out = bf16(silu(bf16(gate)) * bf16(up)) @ w^T with gate|up = the sum over s of part[s] in
-    split order (f32, starting from 0): the partials are re-added per A tile, so a program reads
-    S x 2 x its rows' K tile (L2-resident after the first N tile reads them)."""
+    """out = bf16(silu(gate) * up) @ w^T with gate | up = the split-K rows of `part` as
+    ops.gemm.splitk_rows reads them (added in split order, rounded to bf16): the partials are
+    re-added per A tile, so a program reads S x 2 x its rows' K tile (L2-resident after the first
+    N tile has read them)."""
     m, n = kd.grid(kd.tile("M", "BLOCK_M", domain=BM_DOMAIN, default=16),
                    kd.tile("N", "BLOCK_N", domain=BN_DOMAIN, default=64))
     I = kd.dim("I")
 
     def body(k, acc):
-        def add(s, g, u):
-            return g + kd.sum(part[s, m, k], axis=s), u + kd.sum(part[s, m, k + I], axis=s)
-
-        z = kd.zeros((m, k), kd.f32)
-        g, u = kd.fold(kd.tiles("S", block=1, label="s"), (z, z), add)
-        a = (kd.silu(g.to(kd.bf16).to(kd.f32)) * u.to(kd.bf16).to(kd.f32)).to(kd.bf16)
+        a = (kd.silu(splitk_rows(part, m, k)) * splitk_rows(part, m, k + I)).to(kd.bf16)
         return acc + kd.dot(a, w[n, k])
 
     ks = kd.tiles("I", block="BLOCK_K", domain=BK_DOMAIN, default=64)
@@ -48,11 +44,8 @@ KERNELS = (gemm_bf16_swiglu_kernel,)
 
 
 def swiglu_of_partials_ref(part: torch.Tensor) -> torch.Tensor:
-    """bf16 [M, I]: silu(bf16(gate)) * bf16(up) -> bf16, gate|up summed over the splits in order (f32)."""
-    acc = torch.zeros_like(part[0], dtype=torch.float32)
-    for s in range(part.shape[0]):
-        acc = acc + part[s].float()
-    g, u = acc.to(torch.bfloat16).float().chunk(2, dim=-1)
+    """bf16 [M, I]: silu(gate) * up in f32 -> bf16, gate | up = splitk_sum_ref(part) (bf16)."""
+    g, u = splitk_sum_ref(part).float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
 
 
@@ -65,7 +58,7 @@ def gemm_bf16_swiglu(part: torch.Tensor, w: torch.Tensor, backend: str = "triton
                      invariant: bool = True) -> torch.Tensor:
     """part [S, M, 2I] f32 (split-K partial sums of an MLP's gate|up GEMM, gate columns first; any
     strides), w [N, I] bf16 (the down projection) -> bf16 [M, N] in one launch. Tuned files are
-    keyed by N, I and S. `invariant` (default): the M=1 tiles at every M, as `gemm_bf16`."""
+    keyed by N and I. `invariant` (default): the M=1 tiles at every M, as `gemm_bf16`."""
     name = "gemm_bf16_swiglu"
     check_backend(name, backend)
     check_tensor(name, "part", part, 3, (torch.float32,))
@@ -78,7 +71,7 @@ def gemm_bf16_swiglu(part: torch.Tensor, w: torch.Tensor, backend: str = "triton
         raise ValueError(f"{name}: part needs at least one split, got {tuple(part.shape)}")
     if backend == "torch":
         return gemm_bf16_swiglu_ref(part, w)
-    problem = {"N": N, "I": I, "S": S}
+    problem = {"N": N, "I": I}
     config = invariant_config(gemm_bf16_swiglu_kernel, problem, M, config) if invariant else \
         config_for(gemm_bf16_swiglu_kernel, problem, M, config)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=part.device)

@@ -1,5 +1,7 @@
 """gemm_bf16_rmsnorm (ops/gemm.py): the q_b GEMM with the q_a RMSNorm in its prologue, reading the
-raw rows through a strided view (the q_a columns of the q_a|kv_a output).
+raw rows through a strided view (the q_a columns of the q_a|kv_a output), as bf16 rows or as the f32
+split-K partials of gemm_bf16_splitk (S = 1, 3, 4): with partials, bit-identical to feeding the bf16
+row of their split-order sum (ops.gemm.splitk_sum_ref), and within the bounds below of the reference.
 
 Tolerances: with NORM_K >= K (one sum-of-squares reduction, the order of mla_prep_qkv) bit-exact
 against the two-launch path mla_prep's q_c + gemm_bf16 at the same tiles on the interpreter; with a
@@ -26,6 +28,13 @@ def _case(M, N, K, seed, pad=7):
     return buf[:, :K], torch.randn(K, generator=g).bfloat16(), (torch.randn(N, K, generator=g) * 0.2).bfloat16()
 
 
+def _one_split(x, pad=5):
+    """x [M, K] as f32 partials [1, M, K]: a strided view of a wider buffer (the kernel's operand)."""
+    buf = torch.full((1, x.shape[0], x.shape[1] + pad), float("nan"))
+    buf[0, :, :x.shape[1]] = x.float()
+    return buf[:, :, :x.shape[1]]
+
+
 def _bound(x, xw, w, ref):
     from ops.norm import rmsnorm_ref
 
@@ -43,7 +52,7 @@ def test_equals_prep_then_gemm_bit_for_bit(M, N, K, cfg):
     """NORM_K >= K: q_c as mla_prep_qkv computes it, then the same GEMM tiles: identical bits."""
     x, xw, w = _case(M, N, K, seed=M * 100 + N)
     out = poisoned((M, N), torch.bfloat16)
-    G.gemm_bf16_rmsnorm_kernel(x, xw, w, out, 1e-6, config=cfg)
+    G.gemm_bf16_rmsnorm_kernel(_one_split(x), xw, w, out, 1e-6, config=cfg)
     assert not out.isnan().any()
     # the two-launch path: mla_prep's q_c (its kv part written into a scratch cache) and gemm_bf16
     C, R = 16, 8
@@ -63,7 +72,7 @@ def test_split_norm_sum_within_bound(cfg):
     """NORM_K < K: the row sums in several tiles (another f32 order): within the stated bound."""
     x, xw, w = _case(6, 40, 200, seed=11)
     out = poisoned((6, 40), torch.bfloat16)
-    G.gemm_bf16_rmsnorm_kernel(x, xw, w, out, 1e-6, config=cfg)
+    G.gemm_bf16_rmsnorm_kernel(_one_split(x), xw, w, out, 1e-6, config=cfg)
     ref = G.gemm_bf16_rmsnorm_ref(x, xw, w, 1e-6)
     assert not out.isnan().any()
     assert ((out.double() - ref.double()).abs() <= _bound(x, xw, w, ref)).all()
@@ -85,3 +94,30 @@ def test_wrapper_backends_and_checks():
         G.gemm_bf16_rmsnorm(x, xw, w, -1.0, backend="torch")
     with pytest.raises(TypeError, match="x must be bfloat16"):
         G.gemm_bf16_rmsnorm(x.float(), xw, w, 1e-6)
+
+
+@pytest.mark.parametrize("S,cfg", [(3, {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 64}),
+                                   (4, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "NORM_K": 256})])
+def test_split_partials_equal_their_bf16_sum(S, cfg):
+    """x as split-K partials [S, M, K] f32 (a strided view: the q columns of a wider q|kv buffer):
+    both the sum-of-squares pass and the A tiles read bf16(sum in split order), bit for bit what the
+    bf16 row gives; the torch backend reduces the same way."""
+    M, N, K, kv = 5, 40, 96, 9
+    g = torch.Generator().manual_seed(S)
+    buf = torch.randn(S, M, K + kv, generator=g) * 2.0
+    part = buf[:, :, :K]
+    xw, w = torch.randn(K, generator=g).bfloat16(), (torch.randn(N, K, generator=g) * 0.2).bfloat16()
+    xr = G.splitk_sum_ref(part)
+    out = poisoned((M, N), torch.bfloat16)
+    G.gemm_bf16_rmsnorm_kernel(part, xw, w, out, 1e-6, config=cfg)
+    assert not out.isnan().any()
+    assert torch.equal(out, G.gemm_bf16_rmsnorm(xr, xw, w, 1e-6, config=cfg))
+    ref = G.gemm_bf16_rmsnorm(part, xw, w, 1e-6, backend="torch")
+    assert torch.equal(ref, G.gemm_bf16_rmsnorm_ref(xr, xw, w, 1e-6))
+    assert ((out.double() - ref.double()).abs() <= _bound(xr, xw, w, ref)).all()
+    with pytest.raises(ValueError, match="K mismatch"):
+        G.gemm_bf16_rmsnorm(buf[:, :, :K - 1], xw, w, 1e-6)
+    with pytest.raises(ValueError, match="at least one split"):
+        G.gemm_bf16_rmsnorm(part[:0], xw, w, 1e-6)
+    with pytest.raises(TypeError, match="split-K partials"):
+        G.gemm_bf16_rmsnorm(part.double(), xw, w, 1e-6)

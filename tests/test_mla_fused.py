@@ -9,7 +9,9 @@ Tolerances:
   accumulated product rounded once to bf16: against the f32 reference, within one bf16 ulp
   (rtol 2^-7 relative to the row scale, atol 1e-2 on O(10) values).
 - mla_q_absorb_kv (q_absorb_append): the absorbed query bit-identical to mla_q_absorb at the same
-  tiles, the cache rows bit-identical to mla_prep's (the same f32 expressions over the same row).
+  tiles, the cache rows bit-identical to mla_prep's (the same f32 expressions over the same row);
+  given the kv part as split-K partials [S, T, DL + R] f32 (S 1, 3, 4), bit-identical to feeding the
+  bf16 row of their sum in split order (ops.gemm.splitk_sum_ref).
 - mla_combine_uv: with W_UV = identity it returns mla_decode_combine's bf16 output bit for bit (the
   same split merge); with a random W_UV it matches bf16(combine) @ W_UV in f32 within one bf16 ulp.
 """
@@ -19,7 +21,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from ops import mla, mla_fused as F, norm, rope
+from ops import gemm as G, mla, mla_fused as F, norm, rope
 from tests.conftest import poisoned
 
 
@@ -178,6 +180,41 @@ def test_q_absorb_append_equals_prep_and_absorb_bit_for_bit(T, H, nope, C, R, cf
     assert flat(kv_new)[~written].isnan().all()
 
 
+def _partials_of(rows: torch.Tensor, S: int, seed: int, pad: int = 3) -> torch.Tensor:
+    """Random f32 split-K partials [S, T, W] (a strided view of a wider buffer, as the kv columns of
+    the q_a|kv_a partials) whose sum is near `rows`."""
+    g = torch.Generator().manual_seed(seed)
+    T, W = rows.shape
+    buf = torch.randn(S, T, W + pad, generator=g)
+    part = buf[:, :, pad:]
+    part[0] = rows.float() - part[1:].sum(0)
+    return part
+
+
+@pytest.mark.parametrize("S", [1, 3, 4])
+def test_q_absorb_append_reads_split_partials(S):
+    """kva as split-K partials: the cache rows equal those from the bf16 row of their split-order sum
+    bit for bit, and the torch backend's; the query is untouched by the split."""
+    NP, PS, QL, T, H, C, R = 4, 4, 24, 5, 2, 40, 8
+    q, wuk, cos, sin, qkv, wkv, slots = _append_case(T, H, 16, R, C, NP, PS, seed=20 + S, q_lora=QL)
+    part = _partials_of(qkv[:, QL:], S, seed=S)
+    kv_split, kv_sum, kv_ref = (torch.full((NP, PS, C + R), float("nan"), dtype=torch.bfloat16) for _ in range(3))
+    cfg = {"BLOCK_T": 2, "BLOCK_C": 32, "BLOCK_K": 16}
+    out = F.q_absorb_append(q, wuk, cos, sin, part, wkv, slots, kv_split, 1e-6, config=cfg)
+    F.q_absorb_append(q, wuk, cos, sin, G.splitk_sum_ref(part), wkv, slots, kv_sum, 1e-6, config=cfg)
+    F.q_absorb_append(q, wuk, cos, sin, part, wkv, slots, kv_ref, 1e-6, backend="torch")
+    assert torch.equal(out, F.q_absorb(q, wuk, cos, sin, config=cfg))
+    flat = lambda kv: kv.view(-1, C + R)  # noqa: E731
+    assert not flat(kv_split)[slots].isnan().any()
+    assert torch.equal(flat(kv_split)[slots], flat(kv_sum)[slots])
+    assert torch.equal(flat(kv_split)[slots], flat(kv_ref)[slots])
+    assert flat(kv_split).isnan().all(-1).sum() == NP * PS - T
+    with pytest.raises(ValueError, match="kva must be"):
+        F.q_absorb_append(q, wuk, cos, sin, part[:, :, 1:], wkv, slots, kv_split, 1e-6)
+    with pytest.raises(ValueError, match="kva must be"):
+        F.q_absorb_append(q, wuk, cos, sin, part[:0], wkv, slots, kv_split, 1e-6)
+
+
 def test_q_absorb_append_skips_padding_and_slots_past_the_cache():
     """slot -1 and slots past the capacity store nothing: the cache is a view of a bigger buffer whose
     guard pages must stay untouched; several programs per row (heads x DL tiles), one writer each."""
@@ -191,7 +228,7 @@ def test_q_absorb_append_skips_padding_and_slots_past_the_cache():
         b0 = buf.clone()
         out = poisoned((T, H, C + R), torch.bfloat16)
         if backend == "triton":
-            F.mla_q_absorb_kv(q, wuk, cos, sin, qkv[:, 24:], wkv, slots, out, kv, 1e-6,
+            F.mla_q_absorb_kv(q, wuk, cos, sin, qkv[:, 24:].float()[None], wkv, slots, out, kv, 1e-6,
                               config={"BLOCK_T": 2, "BLOCK_C": 32, "BLOCK_K": 16})
         else:
             out = F.q_absorb_append(q, wuk, cos, sin, qkv[:, 24:], wkv, slots, kv, 1e-6, backend="torch")
@@ -205,10 +242,13 @@ def test_q_absorb_append_skips_padding_and_slots_past_the_cache():
 
 def test_q_absorb_append_stores_are_bounded_and_single_writer():
     """The page index comes from a loaded slot: the DSL bounds the cache stores by NP; the stores
-    and the row loads carry the writer mask (head 0, first DL tile)."""
+    and every load of the kv partials (the first split and the split loop of each of the three
+    column groups) carry the writer mask (head 0, first DL tile)."""
     src = F.mla_q_absorb_kv.source({}, "gfx942")
     assert "bounded gather: kv index 0 (dim NP)" in src and "gathers_bounded" in src
-    assert src.count("& (keep[:, None])") == 3 and src.count("& (writer[:, None])") == 3
+    loads = [ln for ln in src.splitlines() if "tl.load(kva_ptr" in ln]
+    assert src.count("& (keep[:, None])") == 3 and len(loads) == 6
+    assert all("row_mask[" in ln for ln in loads)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
