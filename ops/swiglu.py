@@ -15,17 +15,28 @@ import torch
 
 import kdsl as kd
 from ops._common import check_backend, check_tensor, config_for, invariant_config
-from ops.gemm import BK_DOMAIN, BM_DOMAIN, BN_DOMAIN, gemm_bf16_ref, splitk_rows, splitk_sum_ref
+from ops.gemm import BK_DOMAIN, BM_DOMAIN, BN_DOMAIN, gemm_bf16_ref, splitk_sum_ref
 
 EXAMPLE = {"S": 4, "M": 1, "N2": 512, "I": 256, "N": 7168}
 
 
-@kd.kernel(name="gemm_bf16_swiglu", example=EXAMPLE,
+def _split_rows(part, rows, cols):
+    """ops.gemm.splitk_rows (part[0] + ... + part[S-1] in split order, f32, rounded to bf16) with the
+    static split count unrolled, so the ISA (and the tuner) sees every split's loads and adds."""
+    def add(s, acc):
+        return acc + kd.sum(part[s, rows, cols], axis=s)
+
+    S = kd.dim("S")
+    total = kd.fold(kd.tiles(start=1, stop=S, block=1, label="s", unroll=True), part[0, rows, cols], add)
+    return total.to(kd.bf16).to(kd.f32)
+
+
+@kd.kernel(name="gemm_bf16_swiglu", static=("S",), example=EXAMPLE,
            checks=[("N2", lambda d: d["N2"] == 2 * d["I"], "part must be [S, M, 2*I] (gate columns then up)")])
 def gemm_bf16_swiglu_kernel(part: kd.In["S", "M", "N2", kd.f32], w: kd.In["N", "I", kd.bf16],
                             out: kd.Out["M", "N", kd.bf16]):
     """out = bf16(silu(gate) * up) @ w^T with gate | up = the split-K rows of `part` as
-    ops.gemm.splitk_rows reads them (added in split order, rounded to bf16): the partials are
+    ops.gemm.splitk_rows reads them (added in split order, rounded to bf16; S static): the partials are
     re-added per A tile, so a program reads S x 2 x its rows' K tile (L2-resident after the first
     N tile has read them)."""
     m, n = kd.grid(kd.tile("M", "BLOCK_M", domain=BM_DOMAIN, default=16),
@@ -33,7 +44,7 @@ def gemm_bf16_swiglu_kernel(part: kd.In["S", "M", "N2", kd.f32], w: kd.In["N", "
     I = kd.dim("I")
 
     def body(k, acc):
-        a = (kd.silu(splitk_rows(part, m, k)) * splitk_rows(part, m, k + I)).to(kd.bf16)
+        a = (kd.silu(_split_rows(part, m, k)) * _split_rows(part, m, k + I)).to(kd.bf16)
         return acc + kd.dot(a, w[n, k])
 
     ks = kd.tiles("I", block="BLOCK_K", domain=BK_DOMAIN, default=64)
@@ -58,7 +69,7 @@ def gemm_bf16_swiglu(part: torch.Tensor, w: torch.Tensor, backend: str = "triton
                      invariant: bool = True) -> torch.Tensor:
     """part [S, M, 2I] f32 (split-K partial sums of an MLP's gate|up GEMM, gate columns first; any
     strides), w [N, I] bf16 (the down projection) -> bf16 [M, N] in one launch. Tuned files are
-    keyed by N and I. `invariant` (default): the M=1 tiles at every M, as `gemm_bf16`."""
+    keyed by N, I and S (the split count is static: the sum unrolls). `invariant` (default): the M=1 tiles at every M, as `gemm_bf16`."""
     name = "gemm_bf16_swiglu"
     check_backend(name, backend)
     check_tensor(name, "part", part, 3, (torch.float32,))
@@ -71,7 +82,7 @@ def gemm_bf16_swiglu(part: torch.Tensor, w: torch.Tensor, backend: str = "triton
         raise ValueError(f"{name}: part needs at least one split, got {tuple(part.shape)}")
     if backend == "torch":
         return gemm_bf16_swiglu_ref(part, w)
-    problem = {"N": N, "I": I}
+    problem = {"N": N, "I": I, "S": S}
     config = invariant_config(gemm_bf16_swiglu_kernel, problem, M, config) if invariant else \
         config_for(gemm_bf16_swiglu_kernel, problem, M, config)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=part.device)
