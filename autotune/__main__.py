@@ -298,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("autotune: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `autotune show FILE | head`: the reader left, nothing is wrong
+        sys.stdout = open(os.devnull, "w")
+        return 0
 
 
 def _add_tune_model(sub: Any) -> None:

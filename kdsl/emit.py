@@ -160,6 +160,8 @@ class Emitter:
         """`range(start, stop, step)`; `tl.range(..., num_stages=)` where the fold asks for stages."""
         step = n.a.step
         step_s = str(n.a.block) if step is None else self.ref(step)
+        if getattr(n.a, "unroll", False):
+            return f"tl.static_range({self.ref(start)}, {self.ref(stop)}, {step_s})"
         stages = n.a.num_stages
         if stages is not None and getattr(self.target, "backend", None) != "interpret":
             return f"tl.range({self.ref(start)}, {self.ref(stop)}, {step_s}, num_stages={stages})"

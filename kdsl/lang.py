@@ -618,16 +618,19 @@ def cdiv(a: Any, b: Any) -> Any:
 # loops
 
 class tiles:
-    """What a fold walks: [start, stop) in steps of a tile; `dim` gives stop = that dim."""
+    """What a fold walks: [start, stop) in steps of a tile; `dim` gives stop = that dim.
+    `unroll=True` unrolls the loop at compile time (`tl.static_range`): its bounds must be constants
+    (static dims), e.g. a short loop over split partials whose every trip the ISA should show."""
 
     def __init__(self, dim: str | None = None, *, start: Value | int = 0, stop: Value | int | None = None,
                  block: str | int | None = None, domain: Sequence[int] = DEFAULT_BLOCK_DOMAIN,
                  default: int | None = None, label: str | None = None, step: Value | int | None = None,
-                 num_stages: int | None = None) -> None:
+                 num_stages: int | None = None, unroll: bool = False) -> None:
         if dim is None and stop is None:
             raise ctx().error("tiles needs a dim or a stop")
         self.dim, self.start, self.stop, self.block = dim, start, stop, block
         self.step, self.num_stages = step, num_stages  # step None: the block
+        self.unroll = unroll
         self.domain, self.default = tuple(domain), default
         self.label = label or dim or "r"
 
@@ -653,6 +656,15 @@ def fold(over: "str | tiles | indices", init: Value | Sequence[Value] | None, bo
     if isinstance(spec.num_stages, bool) or not (spec.num_stages is None or (isinstance(spec.num_stages, int)
                                                                             and spec.num_stages >= 1)):
         raise c.error(f"num_stages must be an int >= 1, got {spec.num_stages!r}")
+    unroll = getattr(spec, "unroll", False)
+    if not isinstance(unroll, bool):
+        raise c.error(f"unroll must be True or False, got {unroll!r}")
+    if unroll and not (isinstance(start, int) and isinstance(stop, int)
+                       and (spec.step is None or isinstance(spec.step, int))):
+        raise c.error("unroll=True needs constant loop bounds (static dims or ints), got "
+                      f"start={start!r}, stop={stop!r}")
+    if unroll and spec.num_stages is not None:
+        raise c.error("unroll=True and num_stages exclude each other (an unrolled loop is not pipelined)")
     stateless = init is None or (isinstance(init, (tuple, list)) and not init)
     init = () if init is None else init
     single = isinstance(init, Value)
@@ -690,6 +702,8 @@ def fold(over: "str | tiles | indices", init: Value | Sequence[Value] | None, bo
         node.a.scalar = isinstance(spec, indices)
     if spec.num_stages is not None:
         node.a.num_stages = spec.num_stages
+    if unroll:
+        node.a.unroll = True
     node.results = carried
     for v in carried:
         v.node = node

@@ -286,7 +286,7 @@ RECORDS: dict[str, OpRecord] = {r.name: r for r in (
          (AttrSpec("block", INT), AttrSpec("loopvar", ATTR_VALUE), AttrSpec("yields", ATTR_VALUES),
           AttrSpec("range", ATTR_VALUE, nullable=True), AttrSpec("step", ATTR_INDEX, required=False, nullable=True),
           AttrSpec("scalar", BOOL, required=False), AttrSpec("persistent", BOOL, required=False),
-          AttrSpec("num_stages", INT, required=False)),
+          AttrSpec("num_stages", INT, required=False), AttrSpec("unroll", BOOL, required=False)),
          results=None, rule=_fold, doc="a loop carrying state: results are the carried values"),
     _rec("triton_call", (OperandSpec("args", VALUES),),
          (AttrSpec("module", STR), AttrSpec("name", STR), AttrSpec("layout", AXES)), results=None,

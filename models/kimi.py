@@ -207,7 +207,7 @@ class _MoE:
         """The MoE half of a decoder layer on triton, from the (all-reduced) attention output `a` and
         the residual stream `h` (updated IN PLACE) to (the next norm's output, h):
         rmsnorm_add(_quant) -> gate GEMM, route -> align -> stage 1 -> stage 2 (partial rows) ->
-        shared expert (gate|up GEMM with SiLU*up, down) -> at world size 1 combine_norm (top-k sum
+        shared expert (split-K gate|up GEMM, then SiLU*up and down in one GEMM) -> at world size 1 combine_norm (top-k sum
         in k order + shared + residual add + the next RMSNorm); at world size > 1 combine_rank (the
         rank's top-k sum + shared, bf16), the all-reduce, then the next norm's rmsnorm_add with the
         residual in place. For W4A8 experts the post-attention norm emits the per-token int8
@@ -241,7 +241,7 @@ class _MoE:
             ids, w = self._routed_ids(xb)
             y = fused_experts(xb, ids, w, self.experts, backend="triton", check_ids=False)
             if self.shared is not None:
-                y = y + self.shared(xb).float()        # shared expert: gemm_bf16_silu_mul + gemm_bf16
+                y = y + self.shared(xb).float()        # shared expert: gemm_bf16_splitk + gemm_bf16_swiglu
             return y.to(torch.bfloat16)
         forced = self._replayed(x)
         ids, w = self.route(x, forced)

@@ -155,9 +155,11 @@ class RMSNorm:
 
 class MLP:
     """SwiGLU MLP: down(silu(gate(x)) * up(x)); gate and up run as one GEMM over their stacked
-    weights (gate rows then up rows, the layout silu_and_mul reads) when their formats match; on
-    triton with dense bf16 weights that GEMM applies SiLU(gate)*up in its epilogue
-    (ops.gemm.gemm_bf16_silu_mul: gate and up rounded to bf16 first, as the two-launch path)."""
+    weights (gate rows then up rows, the layout silu_and_mul reads) when their formats match. On
+    triton with dense bf16 weights: the gate|up GEMM split along K (ops.gemm.gemm_bf16_splitk), then
+    ops.swiglu.gemm_bf16_swiglu (the partials added, SiLU(gate)*up, the down GEMM); with a quantized
+    down, ops.gemm.gemm_bf16_silu_mul (SiLU(gate)*up in the GEMM's epilogue) and the down GEMM. Gate
+    and up are rounded to bf16 before SiLU*up on every path, as the unfused ops store them."""
 
     def __init__(self, gate: Linear, up: Linear, down: Linear, backend: str = "torch"):
         self.gate, self.up, self.down, self.backend = gate, up, down, backend
@@ -171,10 +173,20 @@ class MLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gu_w = self.gate_up.dense if self.gate_up is not None and self.backend == "triton" else None
         if gu_w is not None and gu_w.dtype == torch.bfloat16 and x.shape[-1] == gu_w.shape[1]:
-            # dense bf16 gate|up: SiLU(gate)*up in the GEMM's epilogue, then down: two launches
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+            dw = self.down.dense
+            if dw is not None and dw.dtype == torch.bfloat16 and dw.shape[1] * 2 == gu_w.shape[0]:
+                # dense bf16 gate|up and down: the gate|up GEMM split along K (enough programs at
+                # decode sizes), its partials added, SiLU(gate)*up applied and multiplied into down
+                # by one kernel: two launches
+                from ops.gemm import gemm_bf16_splitk
+                from ops.swiglu import gemm_bf16_swiglu
+
+                y = gemm_bf16_swiglu(gemm_bf16_splitk(x2, gu_w, backend="triton"), dw, backend="triton")
+                return y.reshape(*x.shape[:-1], y.shape[-1])
+            # a quantized down: SiLU(gate)*up in the gate|up GEMM's epilogue, then down
             from ops.gemm import gemm_bf16_silu_mul
 
-            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
             h = gemm_bf16_silu_mul(x2, gu_w, backend="triton")
             return self.down(h.reshape(*x.shape[:-1], h.shape[-1]))
         if self.gate_up is not None:

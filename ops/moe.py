@@ -48,8 +48,8 @@ Pipeline of `fused_moe` (backend="triton"):
    shared, cast to bf16.
 
 The model's decode step (`models.kimi._MoE.fused_block`) runs the same stages with
-`fused_experts(..., xq=..., partials=True)`, the shared expert as `ops.gemm.gemm_bf16_silu_mul` +
-`gemm_bf16`, and ends the layer with `combine_norm` (kernel `moe_combine_norm`): per token the top-k
+`fused_experts(..., xq=..., partials=True)`, the shared expert as `ops.gemm.gemm_bf16_splitk` (gate|up split
+along K) + `ops.swiglu.gemm_bf16_swiglu` (SiLU(gate)*up of the summed splits, then down), and ends the layer with `combine_norm` (kernel `moe_combine_norm`): per token the top-k
 partial rows summed in k order (ids outside [0, E) count 0), + the shared expert (f32), rounded to
 bf16, added into the residual stream in place (bf16) and RMSNorm-ed with the next layer's input
 norm (or the final norm): the roundings of `moe_sum` + add + cast + `rmsnorm_add`, one launch.

@@ -178,6 +178,13 @@ MODELS: list[ProblemModel] = [
     ProblemModel("gemm_bf16_splitk", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],
                  flops_fn=_gemm(2, 2, "bf16")[1], derived=_splitk_derived, loop_dim="KS",
                  extra_bytes_fn=lambda p, m, d: 2.0 * d["S"] * m * p["N"] * 4, shared_numerics=True),
+    # the MLP down GEMM over split-K gate|up partials [S, M, 2I]: a gemm_bf16 over the bf16 SwiGLU
+    # rows; the partials' traffic is charged to gemm_bf16_splitk, which writes them. S is static
+    # (the split sum unrolls, so the ISA and the tuner see every split's adds) and part of the key
+    ProblemModel("gemm_bf16_swiglu", ("N", "I", "S"), peak_dtype="bf16", loop_dim="I",
+                 bytes_fn=lambda p, m: p["N"] * p["I"] * 2 + m * p["I"] * 2 + m * p["N"] * 2,
+                 flops_fn=lambda p, m: 2.0 * m * p["N"] * p["I"], derived=lambda p, m, c: {"N2": 2 * p["I"]},
+                 shared_numerics=True),
     ProblemModel("gemm_bf16*", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],
                  flops_fn=_gemm(2, 2, "bf16")[1], shared_numerics=True),
     ProblemModel("gemm_fp8*", ("N", "K"), peak_dtype="fp8", bytes_fn=_gemm(1, 1, "fp8")[0],

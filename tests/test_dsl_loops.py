@@ -139,3 +139,35 @@ def test_gemm_schedules_static(arch):
     for name, r in reports.items():
         assert r.ok and r.spills == 0, (name, r.errors)
         assert r.matrix_instructions, name
+
+
+@kd.kernel(static=("S",), example={"S": 3, "M": 8, "N": 40})
+def l_unrolled(part: kd.In["S", "M", "N", kd.f32], out: kd.Out["M", "N", kd.f32]):
+    """out = part[0] + part[1] + ... in split order, the split loop unrolled (S static)."""
+    m, n = kd.grid(kd.tile("M", domain=(1, 2, 4, 8), default=4), kd.tile("N", domain=(16, 32), default=16))
+    out[m, n] = kd.fold(kd.tiles(start=1, stop=kd.dim("S"), block=1, label="s", unroll=True), part[0, m, n],
+                        lambda s, acc: acc + kd.sum(part[s, m, n], axis=s))
+
+
+@pytest.mark.parametrize("S", [1, 3, 5])
+def test_unrolled_fold(S):
+    part = torch.randn(S, 7, 37, generator=torch.Generator().manual_seed(S))
+    out = poisoned((7, 37), torch.float32)
+    l_unrolled(part, out)
+    ref = part[0].clone()
+    for s in range(1, S):
+        ref = ref + part[s]
+    assert torch.equal(out, ref)
+    src = l_unrolled.source({}, "gfx942", {"S": S})
+    assert f"tl.static_range(1, {S}, 1)" in src
+
+
+def test_unroll_needs_constant_bounds():
+    @kd.kernel(example={"S": 3, "M": 8})
+    def l_bad(part: kd.In["S", "M", kd.f32], out: kd.Out["M", kd.f32]):
+        m, = kd.grid(kd.tile("M", domain=(8,), default=8))
+        out[m] = kd.fold(kd.tiles(start=0, stop=kd.dim("S"), block=1, label="s", unroll=True),
+                         kd.zeros((m,), kd.f32), lambda s, acc: acc + kd.sum(part[s, m], axis=s))
+
+    with pytest.raises(kd.TraceError, match="unroll=True needs constant loop bounds"):
+        l_bad.source({}, "gfx942")

@@ -104,11 +104,17 @@ def test_triton_draft_tree_step_matches_torch(models):
     assert bool(((tri - swapped).abs().amax(-1) > 0.1).all())
 
 
-def test_triton_tree_spec_is_lossless(models):
+@pytest.fixture(scope="module")
+def plain_tokens(models):
+    (tm, td), _ = models
+    return Engine(tm, td).generate(PROMPT, 3, "plain").outputs
+
+
+# one case per test so that the suite's workers share them (each is a minute on the interpreter)
+@pytest.mark.parametrize("topk,steps,n", [(2, 3, None), (3, 2, 7), (4, 2, 8)])
+def test_triton_tree_spec_is_lossless(models, plain_tokens, topk, steps, n):
     """Greedy tree spec decoding (topk 2, 3, 4; draft and verify with tree masks on the kernels) ==
     plain greedy decoding on the kernels, token for token."""
     (tm, td), _ = models
-    plain = Engine(tm, td).generate(PROMPT, 3, "plain").outputs
-    for topk, steps, n in ((2, 3, None), (3, 2, 7), (4, 2, 8)):
-        r = Engine(tm, td).generate(PROMPT, 3, "spec", SpecParams(steps=steps, topk=topk, draft_tokens=n))
-        assert r.outputs == plain, (topk, steps, n)
+    r = Engine(tm, td).generate(PROMPT, 3, "spec", SpecParams(steps=steps, topk=topk, draft_tokens=n))
+    assert r.outputs == plain_tokens, (topk, steps, n)

@@ -1,0 +1,92 @@
+"""The MLP's down GEMM fed by split-K gate|up partial sums (kernel `gemm_bf16_swiglu`).
+
+At decode sizes the gate|up GEMM (N2 = 2I weight rows, K = hidden) has too few output tiles to
+keep every CU streaming weights (at 8-way tensor parallelism I = 256: 32 tiles of 16 rows for
+304 CUs). Split along K it fills the GPU, but then no program holds a complete gate or up sum for
+the SiLU(gate)*up epilogue. This kernel takes the partial sums [S, M, 2I] f32 (gate columns then
+up columns), adds them in split order in f32, rounds gate and up to bf16 (what an unsplit GEMM
+stores), applies SiLU(gate)*up rounded to bf16 (ops.gemm.gemm_bf16_silu_mul's epilogue) and
+multiplies that into the down projection [N, I]: the epilogue and the down GEMM in one launch,
+so the split costs no launch.
+"""
+from __future__ import annotations
+
+import torch
+
+import kdsl as kd
+from ops._common import check_backend, check_tensor, config_for, invariant_config
+from ops.gemm import BK_DOMAIN, BM_DOMAIN, BN_DOMAIN, gemm_bf16_ref, splitk_sum_ref
+
+EXAMPLE = {"S": 4, "M": 1, "N2": 512, "I": 256, "N": 7168}
+
+
+def _split_rows(part, rows, cols):
+    """ops.gemm.splitk_rows (part[0] + ... + part[S-1] in split order, f32, rounded to bf16) with the
+    static split count unrolled, so the ISA (and the tuner) sees every split's loads and adds."""
+    def add(s, acc):
+        return acc + kd.sum(part[s, rows, cols], axis=s)
+
+    S = kd.dim("S")
+    total = kd.fold(kd.tiles(start=1, stop=S, block=1, label="s", unroll=True), part[0, rows, cols], add)
+    return total.to(kd.bf16).to(kd.f32)
+
+
+@kd.kernel(name="gemm_bf16_swiglu", static=("S",), example=EXAMPLE,
+           checks=[("N2", lambda d: d["N2"] == 2 * d["I"], "part must be [S, M, 2*I] (gate columns then up)")])
+def gemm_bf16_swiglu_kernel(part: kd.In["S", "M", "N2", kd.f32], w: kd.In["N", "I", kd.bf16],
+                            out: kd.Out["M", "N", kd.bf16]):
+    """out = bf16(silu(gate) * up) @ w^T with gate | up = the split-K rows of `part` as
+    ops.gemm.splitk_rows reads them (added in split order, rounded to bf16; S static): the partials are
+    re-added per A tile, so a program reads S x 2 x its rows' K tile (L2-resident after the first
+    N tile has read them)."""
+    m, n = kd.grid(kd.tile("M", "BLOCK_M", domain=BM_DOMAIN, default=16),
+                   kd.tile("N", "BLOCK_N", domain=BN_DOMAIN, default=64))
+    I = kd.dim("I")
+
+    def body(k, acc):
+        a = (kd.silu(_split_rows(part, m, k)) * _split_rows(part, m, k + I)).to(kd.bf16)
+        return acc + kd.dot(a, w[n, k])
+
+    ks = kd.tiles("I", block="BLOCK_K", domain=BK_DOMAIN, default=64)
+    out[m, n] = kd.fold(ks, kd.zeros((m, n), kd.f32), body)
+
+
+KERNELS = (gemm_bf16_swiglu_kernel,)
+
+
+def swiglu_of_partials_ref(part: torch.Tensor) -> torch.Tensor:
+    """bf16 [M, I]: silu(gate) * up in f32 -> bf16, gate | up = splitk_sum_ref(part) (bf16)."""
+    g, u = splitk_sum_ref(part).float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
+
+
+def gemm_bf16_swiglu_ref(part: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """gemm_bf16_ref over swiglu_of_partials_ref(part)."""
+    return gemm_bf16_ref(swiglu_of_partials_ref(part), w)
+
+
+def gemm_bf16_swiglu(part: torch.Tensor, w: torch.Tensor, backend: str = "triton", config: dict | None = None,
+                     invariant: bool = True) -> torch.Tensor:
+    """part [S, M, 2I] f32 (split-K partial sums of an MLP's gate|up GEMM, gate columns first; any
+    strides), w [N, I] bf16 (the down projection) -> bf16 [M, N] in one launch. Tuned files are
+    keyed by N, I and S (the split count is static: the sum unrolls). `invariant` (default): the M=1 tiles at every M, as `gemm_bf16`."""
+    name = "gemm_bf16_swiglu"
+    check_backend(name, backend)
+    check_tensor(name, "part", part, 3, (torch.float32,))
+    check_tensor(name, "w", w, 2, (torch.bfloat16,), part.device)
+    S, M, N2 = part.shape
+    N, I = w.shape
+    if N2 != 2 * I:
+        raise ValueError(f"{name}: part must be [S, M, 2*I] with I = w.shape[1] = {I}, got {tuple(part.shape)}")
+    if S < 1:
+        raise ValueError(f"{name}: part needs at least one split, got {tuple(part.shape)}")
+    if backend == "torch":
+        return gemm_bf16_swiglu_ref(part, w)
+    problem = {"N": N, "I": I, "S": S}
+    config = invariant_config(gemm_bf16_swiglu_kernel, problem, M, config) if invariant else \
+        config_for(gemm_bf16_swiglu_kernel, problem, M, config)
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=part.device)
+    if M:
+        gemm_bf16_swiglu_kernel(part, w, out, config=config)
+    return out
+
