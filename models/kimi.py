@@ -13,10 +13,10 @@ The new rows' latent KV rows are appended to the paged cache and attention is ca
 
 MLA uses the absorbed form everywhere: q_nope is folded through W_UK into a kv_lora_rank-wide latent
 query and attention runs over the 576-wide (for Kimi) latent cache, W_UV is applied afterwards.
-With backend="triton" the MLA half is 7 launches (ops.mla_fused: the norms, k rope and cache append
-in one kernel reading the q_a|kv_a output in place, W_UK with the q rope in one, the split combine
-with W_UV in one; see `_MLA._fused`); with "torch" it is the same math in the model dtype over every
-row the block table reaches (masked).
+With backend="triton" the MLA half is 6 launches (the q_a norm in the q_b GEMM's prologue reading the
+q_a|kv_a output in place, W_UK with the q rope and the kv norm, k rope and cache append in one, the
+split combine with W_UV in one; ops.mla_fused, see `_MLA._fused`); with "torch" it is the same math in
+the model dtype over every row the block table reaches (masked).
 
 Aux hidden states (models.config docstring): for every processed token, the residual stream
 ENTERING each layer of `capture_ids` (id N = the output of the last layer, before the final norm),
@@ -165,16 +165,14 @@ class _MoE:
         if trace is not None and trace.mode == "record":
             trace(ids)
 
-    def _routed_ids(self, xb: torch.Tensor, block_m: Optional[int] = None) -> tuple:
+    def _routed_ids(self, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Triton routing (or replayed ids): int32 ids in this rank's local expert numbering and f32
         weights. Expert parallel: an id of another rank's expert becomes -1, which the align kernels
         and the top-k sums treat as a no-op (no block, a partial row never read); the route kernel
         emits those local ids itself (`route(..., local=...)`, no extra launch) unless the ids are
         replayed or recorded (global ids, mapped here). MXFP4 experts get a clamped id with weight
-        0 instead. `block_m` (the experts' BLOCK_M): also the ids aligned for `fused_experts`
-        (`route_align`: decode and verify route and align in one launch), returned third (None for
-        replayed or mapped ids: fused_experts aligns them)."""
-        from ops.moe import MoEWeights, local_ids, route, route_align
+        0 instead."""
+        from ops.moe import MoEWeights, local_ids, route
 
         c = self.moe_cfg
         forced = self._replayed(xb)
@@ -182,15 +180,10 @@ class _MoE:
         trace = self.owner.routing if self.owner is not None else None
         in_kernel = (split and forced is None and isinstance(self.experts, MoEWeights)
                      and (trace is None or trace.mode != "record"))
-        aligned = None
         if forced is None:
-            args = (xb, self.gate, self.bias, c.top_k, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
-            kw = dict(backend="triton", scoring_func=self.cfg.scoring_func,
-                      local=(self.local.start, len(self.local)) if in_kernel else None)
-            if block_m is not None and (in_kernel or not split):
-                ids, w, *aligned = route_align(*args, block_m=block_m, **kw)
-            else:
-                ids, w = route(*args, **kw)
+            ids, w = route(xb, self.gate, self.bias, c.top_k, c.n_group, c.topk_group, c.norm_topk_prob,
+                           c.routed_scaling_factor, backend="triton", scoring_func=self.cfg.scoring_func,
+                           local=(self.local.start, len(self.local)) if in_kernel else None)
         else:
             ids, w = self.route(xb, forced)
         if not in_kernel:
@@ -206,22 +199,20 @@ class _MoE:
             ids = ids.to(torch.int32)
         if w.dtype != torch.float32:
             w = w.float()
-        if block_m is None:
-            return ids.contiguous(), w.contiguous()
-        return ids.contiguous(), w.contiguous(), (tuple(aligned) if aligned else None)
+        return ids.contiguous(), w.contiguous()
 
     def fused_block(self, a: torch.Tensor, h: torch.Tensor, n2: RMSNorm, nxt: RMSNorm
                     ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The MoE half of a decoder layer on triton, from the (all-reduced) attention output `a` and
         the residual stream `h` (updated IN PLACE) to (the next norm's output, h):
-        rmsnorm_add(_quant) -> gate GEMM, route + align (one launch at decode / verify) -> stage 1 -> stage 2 (partial rows) ->
+        rmsnorm_add(_quant) -> gate GEMM, route -> align -> stage 1 -> stage 2 (partial rows) ->
         shared expert (gate|up GEMM with SiLU*up, down) -> at world size 1 combine_norm (top-k sum
         in k order + shared + residual add + the next RMSNorm); at world size > 1 combine_rank (the
         rank's top-k sum + shared, bf16), the all-reduce, then the next norm's rmsnorm_add with the
         residual in place. For W4A8 experts the post-attention norm emits the per-token int8
         activations stage 1 reads (no quant launch). None when this layer's experts take another
         path (MXFP4)."""
-        from ops.moe import MoEWeights, combine_norm, combine_rank, expert_block_m, fused_experts
+        from ops.moe import MoEWeights, combine_norm, combine_rank, fused_experts
 
         if self.backend != "triton" or not isinstance(self.experts, MoEWeights) or h.dtype != torch.bfloat16 \
                 or not h.is_contiguous():
@@ -232,9 +223,8 @@ class _MoE:
         else:
             x, h = n2.add_norm(a, h, inplace=True)
             xq = None
-        ids, w, aligned = self._routed_ids(x, block_m=expert_block_m(self.experts, self.moe_cfg.top_k, x.shape[0]))
-        part = fused_experts(x, ids, w, self.experts, backend="triton", check_ids=False, xq=xq, partials=True,
-                             aligned=aligned)
+        ids, w = self._routed_ids(x)
+        part = fused_experts(x, ids, w, self.experts, backend="triton", check_ids=False, xq=xq, partials=True)
         s = self.shared(x) if self.shared is not None else None
         if self.comm.world == 1:
             y = combine_norm(part, ids, s, h, nxt.w, nxt.eps, len(self.local), backend="triton")
@@ -335,24 +325,32 @@ class _MLA:
 
     def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvl: torch.Tensor,
                ctx: StepCtx) -> torch.Tensor:
-        """The triton path in 7 launches (with q_a|kv_a as one GEMM): qkv_a GEMM -> mla_prep (both
-        norms, the k rope and the cache append, read in place from the GEMM output) -> q_b GEMM ->
-        mla_q_absorb (W_UK and the q rope) -> mla_decode_split -> mla_combine_uv (the split merge
-        and W_UV, writing o_proj's input) -> o_proj GEMM. Same math as the torch path below."""
-        from ops.mla_fused import mla_prep, q_absorb
+        """The triton path in 6 launches (q_a|kv_a as one GEMM, a bf16 q_b): qkv_a GEMM -> q_b GEMM
+        with the q_a RMSNorm in its prologue (gemm_bf16_rmsnorm, reading the raw q_a rows in place)
+        -> mla_q_absorb_kv (W_UK, the q rope, and the kv norm, k rope and cache append by one
+        program per row) -> mla_decode_split -> mla_combine_uv (the split merge and W_UV, writing
+        o_proj's input) -> o_proj GEMM. A quantized q_b or separate q_a / kv_a take the 7-launch form
+        (mla_prep, then the q_b GEMM and mla_q_absorb). Same math as the torch path below."""
+        from ops.gemm import gemm_bf16_rmsnorm
+        from ops.mla_fused import mla_prep, q_absorb, q_absorb_append
 
         c = self.cfg
         T = x.shape[0]
         H, nope, r = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
         tree = self._tree(ctx)                     # refuse an unsupported window before the cache is written
         eps, wkv = self.kv_norm.eps, self.kv_norm.w
-        if self.qkv_a is not None:
-            qc = mla_prep(self.qkv_a(x), self.q_norm.w, wkv, cos, sin, ctx.slots, kvl, eps, q_lora=c.q_lora_rank)
-            q = self.q_b(qc)
+        ql = c.q_lora_rank
+        if self.qkv_a is not None and self.q_b.dense is not None:
+            qkv = self.qkv_a(x)
+            q = gemm_bf16_rmsnorm(qkv[:, :ql], self.q_norm.w, self.q_b.dense, self.q_norm.eps)
+            qf = q_absorb_append(q.view(T, H, nope + r), self.w_uk, cos, sin, qkv[:, ql:], wkv, ctx.slots, kvl, eps)
         else:
-            mla_prep(self.kv_a(x), None, wkv, cos, sin, ctx.slots, kvl, eps, q_lora=0)
-            q = self.q_b(self.q_norm(self.q_a(x))) if c.q_lora_rank else self.q_proj(x)
-        qf = q_absorb(q.view(T, H, nope + r), self.w_uk, cos, sin)                    # [T, H, C + r]
+            if self.qkv_a is not None:
+                q = self.q_b(mla_prep(self.qkv_a(x), self.q_norm.w, wkv, cos, sin, ctx.slots, kvl, eps, q_lora=ql))
+            else:
+                mla_prep(self.kv_a(x), None, wkv, cos, sin, ctx.slots, kvl, eps, q_lora=0)
+                q = self.q_b(self.q_norm(self.q_a(x))) if ql else self.q_proj(x)
+            qf = q_absorb(q.view(T, H, nope + r), self.w_uk, cos, sin)                # [T, H, C + r]
         o = self._decode(qf, kvl, ctx, tree, self.w_uv_t)                             # [T, H, v]
         return self.o_proj(o.view(T, H * c.v_head_dim))
 
