@@ -144,6 +144,15 @@ def _like(v, ref):
     return v if v.axes == ref.axes else kd.broadcast(v, ref.axes)
 
 
+def split_sum(logits, m, e):
+    """The router logits of tokens `m`, experts `e`: the SPLIT partials of `moe_gate_gemm` added
+    one after another in split order (elementwise: the same bits for any tile shape or layout)."""
+    acc = logits[0, m, e]
+    for s in range(1, kd.static("SPLIT")):
+        acc = acc + logits[s, m, e]
+    return acc
+
+
 def _route_rows(logits, bias, m, scale):
     """The noaux_tc choice of the tokens `m` (a scalar index: one token; a tile: a block of tokens,
     every reduction below then runs along the experts per row): (ids, weights), one [m] value per
@@ -158,9 +167,7 @@ def _route_rows(logits, bias, m, scale):
     j = kd.span(0, _p2(eg), eg if _p2(eg) != eg else None, "j")
     e = g * eg + j  # expert id over (g, j)
     valid = (g < ng) & (j < eg)
-    logits_sum = logits[0, m, e]
-    for s in range(1, kd.static("SPLIT")):  # fixed order, elementwise: the same bits for any tile shape
-        logits_sum = logits_sum + logits[s, m, e]
+    logits_sum = split_sum(logits, m, e)
     if kd.static("SOFTMAX"):
         lv = kd.where(valid, logits_sum, NEG_INF)
         mx0 = kd.max(kd.max(lv, axis=j), axis=g)
