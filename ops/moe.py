@@ -6,7 +6,17 @@ Pipeline of `fused_moe` (backend="triton"):
    scores + e_score_correction_bias (group-limited when n_group > 1), combine weights = the
    *unbiased* scores of the chosen experts, / (sum + 1e-20) when norm_topk_prob, × routed_scaling_factor.
    Top-k is k rounds of argmax-and-mask over the whole (padded) expert tile; ties go to the lower id.
-   The ids come out int32, the dtype the align kernels read (no conversion launch).
+   The ids come out int32, the dtype the align kernels read (no conversion launch). No result depends
+   on a reduction order (split partials added in split order, exact max/min and one-hot sums, the
+   softmax denominator summed exactly in fixed point), so the same per-token code routes one token
+   per program (`moe_route`) or a tile of tokens (`moe_route_align`) with the same bits.
+   `route_align` (kernel `moe_route_align`, `moe_route_align_local` for an expert-parallel rank):
+   for decode and verify (`route_align_fuses`: up to ALIGN_ONE_MAX_T rows and a [p2(M), p2(E)]
+   score tile up to ROUTE_ALIGN_MAX_TILE) route the M tokens as one [MB, E] tile and align their ids
+   in the same program (no read-back of the stored ids: the align works on the values in
+   registers), the arrays of `moe_route` + `moe_align_one` in one launch; `fused_experts(...,
+   aligned=)` takes them. Not yet on the model's decode path: for gfx942 the kernel compiles to 512
+   VGPRs with spills (the route part alone: ~35), which is still to be fixed.
 2. Per-token int8 quantization (W4A8 only): `ops.quant.quant_per_token_int8` (absmax/127, RNE), or
    none when the caller passes the rows pre-quantized (`fused_experts(..., xq=(x8, xs))`: the model's
    post-attention `ops.norm.rms_norm_quant` emits them with the normed rows).
