@@ -13,10 +13,10 @@ The new rows' latent KV rows are appended to the paged cache and attention is ca
 
 MLA uses the absorbed form everywhere: q_nope is folded through W_UK into a kv_lora_rank-wide latent
 query and attention runs over the 576-wide (for Kimi) latent cache, W_UV is applied afterwards.
-With backend="triton" the MLA half is 6 launches (the q_a norm in the q_b GEMM's prologue reading the
-q_a|kv_a output in place, W_UK with the q rope and the kv norm, k rope and cache append in one, the
-split combine with W_UV in one; ops.mla_fused, see `_MLA._fused`); with "torch" it is the same math in
-the model dtype over every row the block table reaches (masked).
+With backend="triton" the MLA half is 7 launches (ops.mla_fused: the norms, k rope and cache append
+in one kernel reading the q_a|kv_a output in place, W_UK with the q rope in one, the split combine
+with W_UV in one; see `_MLA._fused`); with "torch" it is the same math in the model dtype over every
+row the block table reaches (masked).
 
 Aux hidden states (models.config docstring): for every processed token, the residual stream
 ENTERING each layer of `capture_ids` (id N = the output of the last layer, before the final norm),
@@ -325,32 +325,24 @@ class _MLA:
 
     def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvl: torch.Tensor,
                ctx: StepCtx) -> torch.Tensor:
-        """The triton path in 6 launches (q_a|kv_a as one GEMM, a bf16 q_b): qkv_a GEMM -> q_b GEMM
-        with the q_a RMSNorm in its prologue (gemm_bf16_rmsnorm, reading the raw q_a rows in place)
-        -> mla_q_absorb_kv (W_UK, the q rope, and the kv norm, k rope and cache append by one
-        program per row) -> mla_decode_split -> mla_combine_uv (the split merge and W_UV, writing
-        o_proj's input) -> o_proj GEMM. A quantized q_b or separate q_a / kv_a take the 7-launch form
-        (mla_prep, then the q_b GEMM and mla_q_absorb). Same math as the torch path below."""
-        from ops.gemm import gemm_bf16_rmsnorm
-        from ops.mla_fused import mla_prep, q_absorb, q_absorb_append
+        """The triton path in 7 launches (with q_a|kv_a as one GEMM): qkv_a GEMM -> mla_prep (both
+        norms, the k rope and the cache append, read in place from the GEMM output) -> q_b GEMM ->
+        mla_q_absorb (W_UK and the q rope) -> mla_decode_split -> mla_combine_uv (the split merge
+        and W_UV, writing o_proj's input) -> o_proj GEMM. Same math as the torch path below."""
+        from ops.mla_fused import mla_prep, q_absorb
 
         c = self.cfg
         T = x.shape[0]
         H, nope, r = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
         tree = self._tree(ctx)                     # refuse an unsupported window before the cache is written
         eps, wkv = self.kv_norm.eps, self.kv_norm.w
-        ql = c.q_lora_rank
-        if self.qkv_a is not None and self.q_b.dense is not None:
-            qkv = self.qkv_a(x)
-            q = gemm_bf16_rmsnorm(qkv[:, :ql], self.q_norm.w, self.q_b.dense, self.q_norm.eps)
-            qf = q_absorb_append(q.view(T, H, nope + r), self.w_uk, cos, sin, qkv[:, ql:], wkv, ctx.slots, kvl, eps)
+        if self.qkv_a is not None:
+            qc = mla_prep(self.qkv_a(x), self.q_norm.w, wkv, cos, sin, ctx.slots, kvl, eps, q_lora=c.q_lora_rank)
+            q = self.q_b(qc)
         else:
-            if self.qkv_a is not None:
-                q = self.q_b(mla_prep(self.qkv_a(x), self.q_norm.w, wkv, cos, sin, ctx.slots, kvl, eps, q_lora=ql))
-            else:
-                mla_prep(self.kv_a(x), None, wkv, cos, sin, ctx.slots, kvl, eps, q_lora=0)
-                q = self.q_b(self.q_norm(self.q_a(x))) if ql else self.q_proj(x)
-            qf = q_absorb(q.view(T, H, nope + r), self.w_uk, cos, sin)                # [T, H, C + r]
+            mla_prep(self.kv_a(x), None, wkv, cos, sin, ctx.slots, kvl, eps, q_lora=0)
+            q = self.q_b(self.q_norm(self.q_a(x))) if c.q_lora_rank else self.q_proj(x)
+        qf = q_absorb(q.view(T, H, nope + r), self.w_uk, cos, sin)                    # [T, H, C + r]
         o = self._decode(qf, kvl, ctx, tree, self.w_uv_t)                             # [T, H, v]
         return self.o_proj(o.view(T, H * c.v_head_dim))
 
