@@ -16,7 +16,9 @@ Pipeline of `fused_moe` (backend="triton"):
    in the same program (no read-back of the stored ids: the align works on the values in
    registers), the arrays of `moe_route` + `moe_align_one` in one launch; `fused_experts(...,
    aligned=)` takes them. Not yet on the model's decode path: for gfx942 the kernel compiles to 512
-   VGPRs with spills (the route part alone: ~35), which is still to be fixed.
+   VGPRs with ~13k spilled registers (the route part alone: ~35). Triton rematerializes the route's
+   reduction chain into the align's layouts; the same align on ids re-loaded after their store
+   compiles to 86 VGPRs, so the way on is a store, a workgroup barrier, a re-load.
 2. Per-token int8 quantization (W4A8 only): `ops.quant.quant_per_token_int8` (absmax/127, RNE), or
    none when the caller passes the rows pre-quantized (`fused_experts(..., xq=(x8, xs))`: the model's
    post-attention `ops.norm.rms_norm_quant` emits them with the normed rows).
