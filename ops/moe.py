@@ -12,13 +12,13 @@ Pipeline of `fused_moe` (backend="triton"):
    per program (`moe_route`) or a tile of tokens (`moe_route_align`) with the same bits.
    `route_align` (kernel `moe_route_align`, `moe_route_align_local` for an expert-parallel rank):
    for decode and verify (`route_align_fuses`: up to ALIGN_ONE_MAX_T rows and a [p2(M), p2(E)]
-   score tile up to ROUTE_ALIGN_MAX_TILE) route the M tokens as one [MB, E] tile and align their ids
-   in the same program (no read-back of the stored ids: the align works on the values in
-   registers), the arrays of `moe_route` + `moe_align_one` in one launch; `fused_experts(...,
-   aligned=)` takes them. Not yet on the model's decode path: for gfx942 the kernel compiles to 512
-   VGPRs with ~13k spilled registers (the route part alone: ~35). Triton rematerializes the route's
-   reduction chain into the align's layouts; the same align on ids re-loaded after their store
-   compiles to 86 VGPRs, so the way on is a store, a workgroup barrier, a re-load.
+   score tile up to ROUTE_ALIGN_MAX_TILE) route the M tokens as one [MB, E] tile, store the ids and
+   weights, `kd.barrier()`, and align the stored ids with the loops of `moe_align_one` in the same
+   program: the arrays of `moe_route` + `moe_align_one` in one launch; `fused_experts(...,
+   aligned=)` takes them, and the model's decode / verify path uses it. The barrier and re-load
+   matter: aligning the values still in registers made Triton recompute the route's reduction
+   chain in the align's layouts (gfx942: 512 VGPRs, ~13k spilled registers); read back, the
+   kernel compiles without spills (M = 1: 118 VGPRs).
 2. Per-token int8 quantization (W4A8 only): `ops.quant.quant_per_token_int8` (absmax/127, RNE), or
    none when the caller passes the rows pre-quantized (`fused_experts(..., xq=(x8, xs))`: the model's
    post-attention `ops.norm.rms_norm_quant` emits them with the normed rows).
@@ -257,40 +257,34 @@ def moe_route_local(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", k
 
 
 # decode and verify route and align in one launch (`moe_route_align`) while the [rows, experts] score
-# tile stays this small (Kimi: up to 32 tokens x 512 expert lanes) and the align fits one program
-ROUTE_ALIGN_MAX_TILE = 32 * 512
+# tile stays this small (Kimi: up to 4 tokens x 512 expert lanes) and the align fits one program: one
+# program routes all the tokens, so its time grows with them (gfx942, predicted: 2.8 us at 1 to 2
+# tokens, 4.5 at 4, 7.6 at 8), while route + align take ~2.4 us plus a launch gap whatever the batch
+ROUTE_ALIGN_MAX_TILE = 4 * 512
 
 
-def _route_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, lo):
-    """Route the M tokens as one [MB, E] tile, store ids and weights, then align the (token, k)
-    rows of those ids (the counts, padded starts, block map and sorted slots of `moe_align_one`)
-    from the values still in registers: nothing stored is read back, so no barrier is needed.
-    `lo` (expert parallel): the rank's first expert; ids are stored and aligned as local ids
-    (-1 for another rank's expert, in no block), EA = the rank's expert count."""
-    EA, bm, K = kd.static("EA"), kd.static("BM"), kd.static("TOPK")
-    (ea,) = kd.grid(kd.tile("EA", block=_p2(EA)))  # one program: the whole (local) expert range
-    M = kd.dim("M")
-    m = kd.span(0, kd.static("MB"), M, "m")  # every token (the launcher checks M <= MB)
-    chosen, weights = _route_rows(logits, bias, m, scale)
-    if lo is not None:
-        chosen = [kd.where((c - lo >= 0) & (c - lo < EA), c - lo, -1) for c in chosen]
-    for i in range(K):
-        ids[m, i] = chosen[i]
-        wts[m, i] = weights[i]
-    # align. Row t = m*K + k goes to start[id] + #{t' < t with the same id}; a token's ids are
-    # distinct (those outside [0, EA) are in no block), so that rank is the count of the id among
-    # the tokens before m: an exclusive prefix sum along m of the per-token one-hot counts.
-    ok = [(c >= 0) & (c < EA) & (m < M) for c in chosen]
-    hits = kd.zeros((m, ea), kd.i32)
-    for c, o in zip(chosen, ok):
-        hits = hits + kd.where(o & (c == ea), 1, 0)
-    count = kd.sum(hits, axis=m)
-    before = kd.cumsum(hits, axis=m) - hits
-    padded = (count + (bm - 1)) // bm * bm
-    start = kd.cumsum(padded, axis=ea) - padded
-    end = start + padded
-    total = kd.sum(padded, axis=ea)
-    T = M * K
+def _align_rows(read_ids, T, ea, block_expert, sorted_ids):
+    """The align of `moe_align_one` (the same loops and the same arrays) over T rows whose ids
+    `read_ids(t)` loads for a row tile t, into the experts of the program's tile `ea` (static EA of
+    them, aligned in blocks of BM): counts per chunk of ALIGN_CHUNK experts, padded starts, block
+    map, sentinel fill, then every real row written once at start[id] + its rank among the rows of
+    its expert. An id outside [0, EA) is in no block. Walking row tiles (tunable BLOCK_T) keeps the
+    registers of the row x expert compares to one tile."""
+    EA, bm = kd.static("EA"), kd.static("BM")
+    t_tiles = lambda label: kd.tiles(stop=T, block="BLOCK_T", domain=(8, 16, 32, 64), default=8, label=label)  # noqa: E731
+
+    def raw_count(experts):
+        def body(t, n):  # lanes past EA (the padded expert tile) count nothing
+            return n + kd.sum(kd.where((read_ids(t) == experts) & (t < T) & (experts < EA), 1, 0), axis=t)
+        return kd.fold(t_tiles("t"), kd.zeros((experts,), kd.i32), body)
+
+    def prefix(c, acc):  # acc[ea] += padded counts of the experts c < ea in this chunk
+        return acc + kd.sum(kd.where(c < ea, (raw_count(c) + (bm - 1)) // bm * bm, 0), axis=c)
+
+    start = kd.fold(kd.tiles("EA", block=ALIGN_CHUNK, label="c"), kd.zeros((ea,), kd.i32), prefix)
+    count = raw_count(ea)
+    end = start + (count + (bm - 1)) // bm * bm
+    total = kd.sum(end - start, axis=ea)
 
     def blocks(b):
         bs = b * bm
@@ -300,7 +294,7 @@ def _route_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, lo):
     kd.fold(kd.tiles("NB", block="BLOCK_B", domain=(8, 16, 32, 64), default=16), None, blocks)
 
     def pad(j):  # each expert's padding: slots start + count + j for j < padded - count (< BM of them)
-        sorted_ids.store(start + count + j, value=kd.zeros((ea, j), kd.i32) + T, mask=padded - count > j)
+        sorted_ids.store(start + count + j, value=kd.zeros((ea, j), kd.i32) + T, mask=j < end - start - count)
 
     kd.fold(kd.tiles(stop=bm, block=min(bm, 8), label="j"), None, pad)
 
@@ -308,10 +302,39 @@ def _route_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, lo):
         sorted_ids.store(r, value=kd.zeros((r,), kd.i32) + T, mask=r >= total)
 
     kd.fold(kd.tiles("S", block="BLOCK_S", domain=(64, 128, 256, 512), default=256, label="r"), None, tail)
-    first = before + start  # [m, ea]: the slot of token m's row of expert ea
-    for k, (c, o) in enumerate(zip(chosen, ok)):
-        slot = kd.sum(kd.where(c == ea, first, 0), axis=ea)
-        sorted_ids.store(slot, value=m * K + k, mask=o)
+
+    def scatter(t, seen):  # seen[ea]: rows of expert ea in the tiles before this one
+        et = read_ids(t)
+        u = kd.span(t.start, t.size, T, label="u")  # the same rows on a second axis
+        within = kd.sum(kd.where((read_ids(u) == et) & (u < t), 1, 0), axis=u)
+        first = kd.sum(kd.where(ea == et, start + seen, 0), axis=ea)  # start[id] + seen[id]
+        sorted_ids.store(first + within, value=t, mask=(et >= 0) & (et < EA))
+        return seen + kd.sum(kd.where((et == ea) & (t < T), 1, 0), axis=t)
+
+    kd.fold(t_tiles("t"), kd.zeros((ea,), kd.i32), scatter)
+
+
+def _route_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, lo):
+    """Route the M tokens as one [MB, E] tile, store ids and weights, then align the (token, k)
+    rows of those ids with the loops of `moe_align_one` (`_align_rows`: the same arrays). The align
+    reads the ids back after a `kd.barrier()` (the program's stores are then visible to all its
+    threads) instead of using the values in registers: from registers, Triton recomputes the
+    route's reduction chain in the align's layouts (gfx942: 512 VGPRs, ~13k spilled registers);
+    from memory, the align is the small kernel it is on its own. `lo` (expert parallel): the
+    rank's first expert; ids are stored and aligned as local ids (-1 for another rank's expert, in
+    no block), EA = the rank's expert count."""
+    EA, K = kd.static("EA"), kd.static("TOPK")
+    (ea,) = kd.grid(kd.tile("EA", block=_p2(EA)))  # one program: the whole (local) expert range
+    M = kd.dim("M")
+    m = kd.span(0, kd.static("MB"), M, "m")  # every token (the launcher checks M <= MB)
+    chosen, weights = _route_rows(logits, bias, m, scale)
+    if lo is not None:
+        chosen = [kd.where((c - lo >= 0) & (c - lo < EA), c - lo, -1) for c in chosen]
+    for i in range(K):
+        ids[m, i] = chosen[i]
+        wts[m, i] = weights[i]
+    kd.barrier()
+    _align_rows(lambda t: ids[t // K, t % K], M * K, ea, block_expert, sorted_ids)  # row t = m*K + k
 
 
 _ROUTE_ALIGN_STATIC = ("E", "TOPK", "NG", "TOPKG", "NORM", "SPLIT", "SOFTMAX", "EA", "BM", "MB")
