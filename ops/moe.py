@@ -257,10 +257,10 @@ def moe_route_local(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", k
 
 
 # decode and verify route and align in one launch (`moe_route_align`) while the [rows, experts] score
-# tile stays this small (Kimi: up to 4 tokens x 512 expert lanes) and the align fits one program: one
-# program routes all the tokens, so its time grows with them (gfx942, predicted: 2.8 us at 1 to 2
-# tokens, 4.5 at 4, 7.6 at 8), while route + align take ~2.4 us plus a launch gap whatever the batch
-ROUTE_ALIGN_MAX_TILE = 4 * 512
+# tile stays this small (Kimi: up to 2 tokens x 512 expert lanes) and the align fits one program: one
+# program routes all the tokens, so its time grows with them (gfx942, bench.step: 2.8 us at 1 or 2
+# tokens, 5.2 at 4), while route + align take 2.4 us plus a 2 us launch gap whatever the batch
+ROUTE_ALIGN_MAX_TILE = 2 * 512
 
 
 def _align_rows(read_ids, T, ea, block_expert, sorted_ids):
