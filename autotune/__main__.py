@@ -189,7 +189,8 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
     from kdsl.targets import get_target
 
     from .problems import full_dims
-    from .search import REPORT_M, _run_job
+    from .buckets import bucket_m
+    from .search import _run_job, compile_m
     from .store import ConfigFileError, helpers_hash, iter_files, kernel_source_hash, load_file
 
     reg = _kernels(extra)
@@ -215,7 +216,8 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
             stale += 1
         entries = doc["entries"] if sample is None else doc["entries"][:sample]
         for e in entries:
-            dims = full_dims(k, doc["problem"], REPORT_M, e["config"], get_target(doc["arch"]))
+            t = get_target(doc["arch"])
+            dims = full_dims(k, doc["problem"], compile_m(k, doc["problem"], bucket_m(e["bucket"]), t), e["config"], t)
             key = (k.name, doc["arch"], json.dumps(dims, sort_keys=True), json.dumps(e["config"], sort_keys=True))
             jobs.setdefault(key, []).append(f"{path}: bucket {e['bucket']}")
     if not compile or not jobs:

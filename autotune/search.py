@@ -52,8 +52,12 @@ def _run_job(name: str, arch: str, config: dict[str, Any], problem: dict[str, An
     return _worker_report(name, arch, config, problem)  # looked up at call time (tests spy on it)
 
 
-def _sig_class(m: int) -> int:
-    return REPORT_M
+def compile_m(kernel: Any, problem: dict[str, Any], m: int, target: Target) -> int:
+    """The M a candidate of the bucket of M=m is compiled at: REPORT_M, unless M reaches a static dim
+    of the kernel (`moe_route_align`'s token tile MB = p2(M), say: a different program per M), then m."""
+    def static_at(x: int) -> dict[str, Any]:
+        return {d: v for d, v in full_dims(kernel, problem, x, None, target).items() if d in kernel.static}
+    return REPORT_M if static_at(m) == static_at(REPORT_M) else m
 
 
 def _cfg_key(cfg: dict[str, Any]) -> tuple:
@@ -74,12 +78,14 @@ def _shared_numerics(kernel: Any, target: Target, prob: dict[str, Any], buckets:
     cost the verify rows twice their floor (a 1-row tile re-reads the weights per row)."""
     best: dict[Any, float] = {}
     per: dict[tuple, dict[Any, float]] = {}
-    for c, _ in jobs.values():
-        rep = reports.get((_cfg_key(c), REPORT_M))
+    for (ck, cm), (c, _) in jobs.items():
+        rep = reports.get((ck, cm))
         if rep is None:
             continue
         nk = _numerics(c)
         for b in buckets:
+            if compile_m(kernel, prob, bucket_m(b), target) != cm:
+                continue
             t = float(score(kernel, target, prob, bucket_m(b), c, rep)["predicted_us"])
             if not math.isfinite(t):
                 continue
@@ -282,7 +288,8 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
         for b in buckets:
             if i < len(spaces[b].candidates):
                 c = spaces[b].candidates[i]
-                jobs.setdefault((_cfg_key(c), _sig_class(bucket_m(b))), (c, full_dims(kernel, prob, REPORT_M, c, target)))
+                cm = compile_m(kernel, prob, bucket_m(b), target)
+                jobs.setdefault((_cfg_key(c), cm), (c, full_dims(kernel, prob, cm, c, target)))
     reports: dict[tuple, dict[str, Any]] = {}
     budget_hit = False
     bar = None
@@ -357,7 +364,7 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
                     pool.append(c)
                     seen.add(key[0])
         for c in pool:
-            rep = reports.get((_cfg_key(c), _sig_class(m)))
+            rep = reports.get((_cfg_key(c), compile_m(kernel, prob, m, target)))
             if rep is None:
                 continue  # not compiled (budget)
             fig = score(kernel, target, scored_prob, m, c, rep)

@@ -467,6 +467,10 @@ class Emitter:
         self.w(f"if {self.ref(n.a.cond)}:")
         self.w("    return")
 
+    def op_barrier(self, n: Node) -> None:
+        # bar.sync on NVIDIA; on AMD the workgroup fences around s_barrier wait for the stores
+        self.w("tl.debug_barrier()")
+
     def op_fold(self, n: Node) -> None:
         f = n.a
         start, stop, inits = f.start, f.stop, f.inits

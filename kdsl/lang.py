@@ -723,6 +723,15 @@ def exit_if(cond: Value) -> None:
     ctx().add("exit_if", [], cond=cond)
 
 
+def barrier() -> None:
+    """A workgroup barrier: every thread of this program waits here until all have arrived, and the
+    program's global-memory stores before it are visible to its loads after it, so a program can
+    re-read what it stored with a different layout or offset (store, `kd.barrier()`, load).
+    Orders nothing between programs (use `kd.atomic_add` or separate launches for that). On the
+    interpreter one program runs sequentially, so it is a no-op there."""
+    ctx().add("barrier", [])
+
+
 # ----------------------------------------------------------------------------------------------
 # memory
 

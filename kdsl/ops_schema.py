@@ -282,6 +282,7 @@ RECORDS: dict[str, OpRecord] = {r.name: r for r in (
     _rec("atomic_add", _ACCESS + (OperandSpec("value", VALUE),), (AttrSpec("axes", AXES), _BOUNDS), results=0,
          rule=_access("any")),
     _rec("exit_if", (OperandSpec("cond", VALUE),), results=0, rule=_scalar_cond),
+    _rec("barrier", (), results=0, doc="workgroup barrier; orders this program's stores before its later loads"),
     _rec("fold", (OperandSpec("start", INDEX), OperandSpec("stop", INDEX), OperandSpec("inits", VALUES)),
          (AttrSpec("block", INT), AttrSpec("loopvar", ATTR_VALUE), AttrSpec("yields", ATTR_VALUES),
           AttrSpec("range", ATTR_VALUE, nullable=True), AttrSpec("step", ATTR_INDEX, required=False, nullable=True),

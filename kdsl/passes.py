@@ -9,7 +9,7 @@ from .ir import Block, Node, Value, walk
 from .ops_schema import PackedTile
 from .targets import Target
 
-SIDE_EFFECTS = {"store", "atomic_add", "exit_if"}
+SIDE_EFFECTS = {"store", "atomic_add", "exit_if", "barrier"}
 
 
 def _values_in(x: Any) -> Iterable[Value]:

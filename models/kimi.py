@@ -166,14 +166,16 @@ class _MoE:
         if trace is not None and trace.mode == "record":
             trace(ids)
 
-    def _routed_ids(self, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _routed_ids(self, xb: torch.Tensor, block_m: Optional[int] = None) -> tuple:
         """Triton routing (or replayed ids): int32 ids in this rank's local expert numbering and f32
         weights. Expert parallel: an id of another rank's expert becomes -1, which the align kernels
         and the top-k sums treat as a no-op (no block, a partial row never read); the route kernel
         emits those local ids itself (`route(..., local=...)`, no extra launch) unless the ids are
         replayed or recorded (global ids, mapped here). MXFP4 experts get a clamped id with weight
-        0 instead."""
-        from ops.moe import MoEWeights, local_ids, route
+        0 instead. `block_m` (the experts' BLOCK_M): also the ids aligned for `fused_experts`
+        (`route_align`: decode and verify route and align in one launch), returned third (None for
+        replayed or mapped ids: fused_experts aligns them)."""
+        from ops.moe import MoEWeights, local_ids, route, route_align
 
         c = self.moe_cfg
         forced = self._replayed(xb)
@@ -181,10 +183,15 @@ class _MoE:
         trace = self.owner.routing if self.owner is not None else None
         in_kernel = (split and forced is None and isinstance(self.experts, MoEWeights)
                      and (trace is None or trace.mode != "record"))
+        aligned = None
         if forced is None:
-            ids, w = route(xb, self.gate, self.bias, c.top_k, c.n_group, c.topk_group, c.norm_topk_prob,
-                           c.routed_scaling_factor, backend="triton", scoring_func=self.cfg.scoring_func,
-                           local=(self.local.start, len(self.local)) if in_kernel else None)
+            args = (xb, self.gate, self.bias, c.top_k, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+            kw = dict(backend="triton", scoring_func=self.cfg.scoring_func,
+                      local=(self.local.start, len(self.local)) if in_kernel else None)
+            if block_m is not None and (in_kernel or not split):
+                ids, w, *aligned = route_align(*args, block_m=block_m, **kw)
+            else:
+                ids, w = route(*args, **kw)
         else:
             ids, w = self.route(xb, forced)
         if not in_kernel:
@@ -200,20 +207,23 @@ class _MoE:
             ids = ids.to(torch.int32)
         if w.dtype != torch.float32:
             w = w.float()
-        return ids.contiguous(), w.contiguous()
+        if block_m is None:
+            return ids.contiguous(), w.contiguous()
+        return ids.contiguous(), w.contiguous(), (tuple(aligned) if aligned else None)
 
     def fused_block(self, a: torch.Tensor, h: torch.Tensor, n2: RMSNorm, nxt: RMSNorm
                     ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The MoE half of a decoder layer on triton, from the (all-reduced) attention output `a` and
         the residual stream `h` (updated IN PLACE) to (the next norm's output, h):
-        rmsnorm_add(_quant) -> gate GEMM, route -> align -> stage 1 -> stage 2 (partial rows) ->
-        shared expert (split-K gate|up GEMM, then SiLU*up and down in one GEMM) -> at world size 1 combine_norm (top-k sum
+        rmsnorm_add(_quant) -> gate GEMM, route + align (one launch at 1-2 tokens) -> stage 1 -> stage 2
+        (partial rows) -> shared expert (split-K gate|up GEMM, then SiLU*up and down in one GEMM) -> at
+        world size 1 combine_norm (top-k sum
         in k order + shared + residual add + the next RMSNorm); at world size > 1 combine_rank (the
         rank's top-k sum + shared, bf16), the all-reduce, then the next norm's rmsnorm_add with the
         residual in place. For W4A8 experts the post-attention norm emits the per-token int8
         activations stage 1 reads (no quant launch). None when this layer's experts take another
         path (MXFP4)."""
-        from ops.moe import MoEWeights, combine_norm, combine_rank, fused_experts
+        from ops.moe import MoEWeights, combine_norm, combine_rank, expert_block_m, fused_experts
 
         if self.backend != "triton" or not isinstance(self.experts, MoEWeights) or h.dtype != torch.bfloat16 \
                 or not h.is_contiguous():
@@ -224,8 +234,9 @@ class _MoE:
         else:
             x, h = n2.add_norm(a, h, inplace=True)
             xq = None
-        ids, w = self._routed_ids(x)
-        part = fused_experts(x, ids, w, self.experts, backend="triton", check_ids=False, xq=xq, partials=True)
+        ids, w, aligned = self._routed_ids(x, block_m=expert_block_m(self.experts, self.moe_cfg.top_k, x.shape[0]))
+        part = fused_experts(x, ids, w, self.experts, backend="triton", check_ids=False, xq=xq, partials=True,
+                             aligned=aligned)
         s = self.shared(x) if self.shared is not None else None
         if self.comm.world == 1:
             y = combine_norm(part, ids, s, h, nxt.w, nxt.eps, len(self.local), backend="triton")

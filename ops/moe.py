@@ -6,7 +6,19 @@ Pipeline of `fused_moe` (backend="triton"):
    scores + e_score_correction_bias (group-limited when n_group > 1), combine weights = the
    *unbiased* scores of the chosen experts, / (sum + 1e-20) when norm_topk_prob, × routed_scaling_factor.
    Top-k is k rounds of argmax-and-mask over the whole (padded) expert tile; ties go to the lower id.
-   The ids come out int32, the dtype the align kernels read (no conversion launch).
+   The ids come out int32, the dtype the align kernels read (no conversion launch). No result depends
+   on a reduction order (split partials added in split order, exact max/min and one-hot sums, the
+   softmax denominator summed exactly in fixed point), so the same per-token code routes one token
+   per program (`moe_route`) or a tile of tokens (`moe_route_align`) with the same bits.
+   `route_align` (kernel `moe_route_align`, `moe_route_align_local` for an expert-parallel rank):
+   for decode and verify (`route_align_fuses`: up to ALIGN_ONE_MAX_T rows and a [p2(M), p2(E)]
+   score tile up to ROUTE_ALIGN_MAX_TILE) route the M tokens as one [MB, E] tile, store the ids and
+   weights, `kd.barrier()`, and align the stored ids with the loops of `moe_align_one` in the same
+   program: the arrays of `moe_route` + `moe_align_one` in one launch; `fused_experts(...,
+   aligned=)` takes them, and the model's decode / verify path uses it. The barrier and re-load
+   matter: aligning the values still in registers made Triton recompute the route's reduction
+   chain in the align's layouts (gfx942: 512 VGPRs, ~13k spilled registers); read back, the
+   kernel compiles without spills (M = 1: 118 VGPRs).
 2. Per-token int8 quantization (W4A8 only): `ops.quant.quant_per_token_int8` (absmax/127, RNE), or
    none when the caller passes the rows pre-quantized (`fused_experts(..., xq=(x8, xs))`: the model's
    post-attention `ops.norm.rms_norm_quant` emits them with the normed rows).
@@ -124,6 +136,87 @@ def _finite_or_neg_inf(v):
     return kd.where(v == v, v, NEG_INF)
 
 
+FIX01 = float(2 ** 53)  # fixed-point scale of `_exact_sum01`: a [0, 1] value has 53 fraction bits
+
+
+def _exact_sum01(v, j, g):
+    """Sum over (j, g) of values in [0, 1] (NaN allowed) that no summation order changes: each value
+    truncated to 53 fraction bits (ex * 2^53 is exact in f32; the dropped part is below 2^-53, far
+    under an f32 ulp of a sum >= 1), added exactly in i64 (up to 2^10 terms), rounded once to f32;
+    NaN when any value is NaN (as a float sum)."""
+    ok = v == v
+    q = kd.cast(kd.where(ok, v, 0.0) * FIX01, kd.i64)
+    total = kd.cast(kd.sum(kd.sum(q, axis=j), axis=g), kd.f32) * (1.0 / FIX01)
+    bad = kd.max(kd.max(kd.where(ok, 0, 1), axis=j), axis=g)
+    return kd.where(bad > 0, float("nan"), total)
+
+
+def _like(v, ref):
+    """`v` broadcast to the axes of `ref` in their order (as is when it has them already)."""
+    return v if v.axes == ref.axes else kd.broadcast(v, ref.axes)
+
+
+def split_sum(logits, m, e):
+    """The router logits of tokens `m`, experts `e`: the SPLIT partials of `moe_gate_gemm` added
+    one after another in split order (elementwise: the same bits for any tile shape or layout)."""
+    acc = logits[0, m, e]
+    for s in range(1, kd.static("SPLIT")):
+        acc = acc + logits[s, m, e]
+    return acc
+
+
+def _route_rows(logits, bias, m, scale):
+    """The noaux_tc choice of the tokens `m` (a scalar index: one token; a tile: a block of tokens,
+    every reduction below then runs along the experts per row): (ids, weights), one [m] value per
+    top-k slot. Nothing depends on the order of a reduction (elementwise ops, exact max/min and
+    one-hot sums along the experts, the SPLIT partials added one after another in split order, the
+    softmax denominator summed exactly), so both forms, on any tile layout, give the same bits:
+    `moe_route` and `moe_route_align` agree, and a token's routing does not depend on the batch."""
+    E, K, ng, tkg = kd.static("E"), kd.static("TOPK"), kd.static("NG"), kd.static("TOPKG")
+    kd.require(E % ng == 0, "E must be a multiple of n_group", "NG")
+    eg = E // ng
+    g = kd.span(0, _p2(ng), ng if _p2(ng) != ng else None, "g")
+    j = kd.span(0, _p2(eg), eg if _p2(eg) != eg else None, "j")
+    e = g * eg + j  # expert id over (g, j)
+    valid = (g < ng) & (j < eg)
+    logits_sum = split_sum(logits, m, e)
+    if kd.static("SOFTMAX"):
+        lv = kd.where(valid, logits_sum, NEG_INF)
+        mx0 = kd.max(kd.max(lv, axis=j), axis=g)
+        ex = kd.where(valid, kd.exp(lv - mx0), 0.0)  # in [0, 1], or NaN from NaN / inf logits
+        scores = ex / _exact_sum01(ex, j, g)
+    else:
+        scores = kd.sigmoid(logits_sum)
+    sel = kd.where(valid, _finite_or_neg_inf(scores + bias[e]), NEG_INF)
+    if ng > 1:  # group score = sum of the top-2 biased scores of the group; keep topk_group groups
+        top1 = kd.max(sel, axis=j)
+        i1 = kd.min(kd.where(sel == top1, _like(j, sel), BIG), axis=j)
+        top2 = kd.max(kd.where(i1 == j, NEG_INF, sel), axis=j)
+        gs = kd.where(g < ng, _finite_or_neg_inf(top1 + top2), NEG_INF)  # inf + -inf: -inf
+        gg = _like(g, gs)
+        gfree = gg < ng
+        keep = kd.zeros(gs.axes, kd.i32)
+        for _ in range(tkg):
+            gm = kd.max(kd.where(gfree, gs, NEG_INF), axis=g)
+            gi = kd.min(kd.where(gfree & (gs == gm), gg, BIG), axis=g)
+            keep = kd.where(gg == gi, 1, keep)
+            gfree = gfree & (gg != gi)
+        sel = kd.where(_like(keep, sel) > 0, sel, NEG_INF)
+    free, ee = _like(valid, sel), _like(e, sel)  # a token tile's row axis leads (no transposes)
+    chosen, weights = [], []
+    for _ in range(K):
+        mx = kd.max(kd.max(kd.where(free, sel, NEG_INF), axis=j), axis=g)
+        idx = kd.min(kd.min(kd.where(free & (sel == mx), ee, BIG), axis=j), axis=g)
+        weights.append(kd.sum(kd.sum(kd.where(ee == idx, scores, 0.0), axis=j), axis=g))
+        chosen.append(idx)
+        free = free & (ee != idx)
+    denom = weights[0]
+    for w in weights[1:]:
+        denom = denom + w
+    mult = scale / (denom + 1e-20) if kd.static("NORM") else scale
+    return chosen, [w * mult for w in weights]
+
+
 @kd.kernel(static=("E", "TOPK", "NG", "TOPKG", "NORM", "SPLIT", "SOFTMAX"),
            example={"M": 1, "E": 384, "TOPK": 8, "NG": 1, "TOPKG": 1, "NORM": 1, "SPLIT": 14, "SOFTMAX": 0})
 def moe_route(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", kd.f32],
@@ -133,51 +226,10 @@ def moe_route(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", kd.f32]
     group-limited top-k. Every id is in [0, E) whatever the scores: a NaN selection score counts
     as -inf and ties (including all -inf) go to the lowest id not yet chosen."""
     (m,) = kd.grid(kd.each("M"))
-    E, K, ng, tkg = kd.static("E"), kd.static("TOPK"), kd.static("NG"), kd.static("TOPKG")
-    kd.require(E % ng == 0, "E must be a multiple of n_group", "NG")
-    eg = E // ng
-    g = kd.span(0, _p2(ng), ng if _p2(ng) != ng else None, "g")
-    j = kd.span(0, _p2(eg), eg if _p2(eg) != eg else None, "j")
-    e = g * eg + j  # expert id over (g, j)
-    valid = (g < ng) & (j < eg)
-    sp = kd.full_range("SPLIT")
-    logits = kd.sum(logits[sp, m, e], axis=sp)  # fixed order: deterministic
-    if kd.static("SOFTMAX"):
-        lv = kd.where(valid, logits, NEG_INF)
-        mx0 = kd.max(kd.max(lv, axis=j), axis=g)
-        ex = kd.where(valid, kd.exp(lv - mx0), 0.0)
-        scores = ex / kd.sum(kd.sum(ex, axis=j), axis=g)
-    else:
-        scores = kd.sigmoid(logits)
-    sel = kd.where(valid, _finite_or_neg_inf(scores + bias[e]), NEG_INF)
-    if ng > 1:  # group score = sum of the top-2 biased scores of the group; keep topk_group groups
-        top1 = kd.max(sel, axis=j)
-        i1 = kd.min(kd.where(sel == top1, j, BIG), axis=j)
-        top2 = kd.max(kd.where(j == i1, NEG_INF, sel), axis=j)
-        gs = kd.where(g < ng, _finite_or_neg_inf(top1 + top2), NEG_INF)  # inf + -inf: -inf
-        gfree = g < ng
-        keep = kd.zeros((g,), kd.i32)
-        for _ in range(tkg):
-            gm = kd.max(kd.where(gfree, gs, NEG_INF), axis=g)
-            gi = kd.min(kd.where(gfree & (gs == gm), g, BIG), axis=g)
-            keep = kd.where(g == gi, 1, keep)
-            gfree = gfree & (g != gi)
-        sel = kd.where(keep > 0, sel, NEG_INF)
-    free = valid
-    chosen, weights = [], []
-    for _ in range(K):
-        mx = kd.max(kd.max(kd.where(free, sel, NEG_INF), axis=j), axis=g)
-        idx = kd.min(kd.min(kd.where(free & (sel == mx), e, BIG), axis=j), axis=g)
-        weights.append(kd.sum(kd.sum(kd.where(e == idx, scores, 0.0), axis=j), axis=g))
-        chosen.append(idx)
-        free = free & (e != idx)
-    denom = weights[0]
-    for w in weights[1:]:
-        denom = denom + w
-    mult = scale / (denom + 1e-20) if kd.static("NORM") else scale
-    for i in range(K):
+    chosen, weights = _route_rows(logits, bias, m, scale)
+    for i in range(kd.static("TOPK")):
         ids[m, i] = chosen[i]
-        wts[m, i] = weights[i] * mult
+        wts[m, i] = weights[i]
 
 
 class _LocalIds:
@@ -202,6 +254,117 @@ def moe_route_local(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", k
     weights over all E experts, each id stored as id - lo, or -1 when another rank holds it (the
     align kernels and the top-k sums skip -1). Every stored id is in [-1, n)."""
     moe_route.fn(logits, bias, _LocalIds(ids, lo, n), wts, NG, TOPKG, NORM, SOFTMAX, scale)
+
+
+# decode and verify route and align in one launch (`moe_route_align`) while the [rows, experts] score
+# tile stays this small (Kimi: up to 2 tokens x 512 expert lanes) and the align fits one program: one
+# program routes all the tokens, so its time grows with them (gfx942, bench.step: 2.8 us at 1 or 2
+# tokens, 5.2 at 4), while route + align take 2.4 us plus a 2 us launch gap whatever the batch
+ROUTE_ALIGN_MAX_TILE = 2 * 512
+
+
+def _align_rows(read_ids, T, ea, block_expert, sorted_ids):
+    """The align of `moe_align_one` (the same loops and the same arrays) over T rows whose ids
+    `read_ids(t)` loads for a row tile t, into the experts of the program's tile `ea` (static EA of
+    them, aligned in blocks of BM): counts per chunk of ALIGN_CHUNK experts, padded starts, block
+    map, sentinel fill, then every real row written once at start[id] + its rank among the rows of
+    its expert. An id outside [0, EA) is in no block. Walking row tiles (tunable BLOCK_T) keeps the
+    registers of the row x expert compares to one tile."""
+    EA, bm = kd.static("EA"), kd.static("BM")
+    t_tiles = lambda label: kd.tiles(stop=T, block="BLOCK_T", domain=(8, 16, 32, 64), default=8, label=label)  # noqa: E731
+
+    def raw_count(experts):
+        def body(t, n):  # lanes past EA (the padded expert tile) count nothing
+            return n + kd.sum(kd.where((read_ids(t) == experts) & (t < T) & (experts < EA), 1, 0), axis=t)
+        return kd.fold(t_tiles("t"), kd.zeros((experts,), kd.i32), body)
+
+    def prefix(c, acc):  # acc[ea] += padded counts of the experts c < ea in this chunk
+        return acc + kd.sum(kd.where(c < ea, (raw_count(c) + (bm - 1)) // bm * bm, 0), axis=c)
+
+    start = kd.fold(kd.tiles("EA", block=ALIGN_CHUNK, label="c"), kd.zeros((ea,), kd.i32), prefix)
+    count = raw_count(ea)
+    end = start + (count + (bm - 1)) // bm * bm
+    total = kd.sum(end - start, axis=ea)
+
+    def blocks(b):
+        bs = b * bm
+        used = kd.sum(kd.where(end <= bs, 1, 0), axis=ea)  # experts whose blocks end before block b
+        block_expert[b] = kd.where(bs < total, used, -1)
+
+    kd.fold(kd.tiles("NB", block="BLOCK_B", domain=(8, 16, 32, 64), default=16), None, blocks)
+
+    def pad(j):  # each expert's padding: slots start + count + j for j < padded - count (< BM of them)
+        sorted_ids.store(start + count + j, value=kd.zeros((ea, j), kd.i32) + T, mask=j < end - start - count)
+
+    kd.fold(kd.tiles(stop=bm, block=min(bm, 8), label="j"), None, pad)
+
+    def tail(r):  # the slots past the used blocks
+        sorted_ids.store(r, value=kd.zeros((r,), kd.i32) + T, mask=r >= total)
+
+    kd.fold(kd.tiles("S", block="BLOCK_S", domain=(64, 128, 256, 512), default=256, label="r"), None, tail)
+
+    def scatter(t, seen):  # seen[ea]: rows of expert ea in the tiles before this one
+        et = read_ids(t)
+        u = kd.span(t.start, t.size, T, label="u")  # the same rows on a second axis
+        within = kd.sum(kd.where((read_ids(u) == et) & (u < t), 1, 0), axis=u)
+        first = kd.sum(kd.where(ea == et, start + seen, 0), axis=ea)  # start[id] + seen[id]
+        sorted_ids.store(first + within, value=t, mask=(et >= 0) & (et < EA))
+        return seen + kd.sum(kd.where((et == ea) & (t < T), 1, 0), axis=t)
+
+    kd.fold(t_tiles("t"), kd.zeros((ea,), kd.i32), scatter)
+
+
+def _route_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, lo):
+    """Route the M tokens as one [MB, E] tile, store ids and weights, then align the (token, k)
+    rows of those ids with the loops of `moe_align_one` (`_align_rows`: the same arrays). The align
+    reads the ids back after a `kd.barrier()` (the program's stores are then visible to all its
+    threads) instead of using the values in registers: from registers, Triton recomputes the
+    route's reduction chain in the align's layouts (gfx942: 512 VGPRs, ~13k spilled registers);
+    from memory, the align is the small kernel it is on its own. `lo` (expert parallel): the
+    rank's first expert; ids are stored and aligned as local ids (-1 for another rank's expert, in
+    no block), EA = the rank's expert count."""
+    EA, K = kd.static("EA"), kd.static("TOPK")
+    (ea,) = kd.grid(kd.tile("EA", block=_p2(EA)))  # one program: the whole (local) expert range
+    M = kd.dim("M")
+    m = kd.span(0, kd.static("MB"), M, "m")  # every token (the launcher checks M <= MB)
+    chosen, weights = _route_rows(logits, bias, m, scale)
+    if lo is not None:
+        chosen = [kd.where((c - lo >= 0) & (c - lo < EA), c - lo, -1) for c in chosen]
+    for i in range(K):
+        ids[m, i] = chosen[i]
+        wts[m, i] = weights[i]
+    kd.barrier()
+    _align_rows(lambda t: ids[t // K, t % K], M * K, ea, block_expert, sorted_ids)  # row t = m*K + k
+
+
+_ROUTE_ALIGN_STATIC = ("E", "TOPK", "NG", "TOPKG", "NORM", "SPLIT", "SOFTMAX", "EA", "BM", "MB")
+_ROUTE_ALIGN_EXAMPLE = {"M": 1, "E": 384, "TOPK": 8, "NG": 1, "TOPKG": 1, "NORM": 1, "SPLIT": 14, "SOFTMAX": 0,
+                        "EA": 384, "BM": 16, "MB": 1, "NB": 9, "S": 144}
+_ROUTE_ALIGN_CHECKS = (("MB", lambda d: d["M"] <= d["MB"], "MB (the token tile) must cover M: one program"),)
+
+
+@kd.kernel(static=_ROUTE_ALIGN_STATIC, example=_ROUTE_ALIGN_EXAMPLE, checks=_ROUTE_ALIGN_CHECKS)
+def moe_route_align(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", kd.f32],
+                    ids: kd.Out["M", "TOPK", kd.i32], wts: kd.Out["M", "TOPK", kd.f32],
+                    block_expert: kd.Out["NB", kd.i32], sorted_ids: kd.Out["S", kd.i32],
+                    NG: kd.Dim, TOPKG: kd.Dim, NORM: kd.Dim, SOFTMAX: kd.Dim, EA: kd.Dim, BM: kd.Dim, MB: kd.Dim,
+                    scale: kd.Scalar[kd.f32]):
+    """`moe_route` + `moe_align_one` in ONE launch (one program) for the few tokens of a decode or
+    verify step: the ids and weights of `moe_route` (same bits) and the block map and sorted slots
+    of `moe_align_one` over them (EA = E experts, blocks of BM rows, MB >= M the token tile)."""
+    _route_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, None)
+
+
+@kd.kernel(static=_ROUTE_ALIGN_STATIC, example={**_ROUTE_ALIGN_EXAMPLE, "EA": 48}, checks=_ROUTE_ALIGN_CHECKS)
+def moe_route_align_local(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", kd.f32],
+                          ids: kd.Out["M", "TOPK", kd.i32], wts: kd.Out["M", "TOPK", kd.f32],
+                          block_expert: kd.Out["NB", kd.i32], sorted_ids: kd.Out["S", kd.i32],
+                          NG: kd.Dim, TOPKG: kd.Dim, NORM: kd.Dim, SOFTMAX: kd.Dim, EA: kd.Dim, BM: kd.Dim,
+                          MB: kd.Dim, scale: kd.Scalar[kd.f32], lo: kd.Scalar[kd.i32]):
+    """`moe_route_align` for an expert-parallel rank holding experts [lo, lo + EA): the ids of
+    `moe_route_local` (id - lo, or -1 for another rank's expert) and their align over the EA local
+    experts, in one launch."""
+    _route_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, lo)
 
 
 def _pick(sel: torch.Tensor, k: int) -> torch.Tensor:
@@ -231,24 +394,9 @@ def moe_route_ref(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: 
     return ids.to(torch.int32), w * routed_scaling_factor
 
 
-def route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int = 1,
-          topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
-          backend: str = "triton", config: dict | None = None, scoring_func: str = "sigmoid",
-          invariant: bool = True, local: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert ids and combine weights per token (noaux_tc). `config`: {"gate": {...}, "route": {...}}.
-
-    Guarantee: every id is in [0, E) and a token's ids are distinct, whatever the input (NaN or
-    Inf hidden rows or weights): a NaN selection score counts as -inf, ties go to the lowest id.
-    The weights of such a token may be NaN; the ids need no further check (`fused_experts(...,
-    check_ids=False)`). `scoring_func`: "sigmoid" (DeepSeek-V3 / Kimi) or "softmax" (scores are
-    the softmax over all experts; selection and weights as for sigmoid). `invariant` (default):
-    the gate GEMM's tiles come from the M=1 config so a token's logits do not depend on the batch
-    (the split over H is fixed by H alone). No device read on either backend's launch path.
-    `local` = (first, count): an expert-parallel rank's experts [first, first + count): the choice
-    and weights are over all E experts as without it, but each id comes out as id - first, or -1
-    for another rank's expert (`moe_route_local`; the align kernels and top-k sums skip -1), so
-    the ranks' routed outputs still sum to the whole."""
-    check_backend("route", backend)
+def _check_route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                 scoring_func: str, local: tuple[int, int] | None) -> tuple[int, int, int]:
+    """The argument checks of `route` (shapes, dtypes, host ints; no device read): (M, H, E)."""
     check_tensor("route", "x", x, 2, (torch.bfloat16, torch.float16, torch.float32))
     M, H = x.shape
     check_tensor("route", "router weight", wg, 2, (torch.bfloat16, torch.float16, torch.float32), x.device)
@@ -277,6 +425,43 @@ def route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_g
         lo, n = local
         if not (isinstance(lo, int) and isinstance(n, int) and 0 <= lo and 1 <= n and lo + n <= E):
             raise ValueError(f"route: local expert range (first, count) must lie in [0, n_experts={E}), got {local}")
+    return M, H, E
+
+
+def _gate_partials(x: torch.Tensor, wg: torch.Tensor, config: dict, invariant: bool) -> torch.Tensor:
+    """The router logits as SPLIT partials [SPLIT, M, E] f32 (`moe_gate_gemm`, one launch)."""
+    M, H = x.shape
+    E = wg.shape[0]
+    part = torch.empty(route_split(H), M, E, dtype=torch.float32, device=x.device)
+    if invariant:
+        cfg_g = invariant_config(moe_gate_gemm, {"E": E, "H": H}, M, config.get("gate"))
+    else:
+        cfg_g = config_for(moe_gate_gemm, {"E": E, "H": H}, M, config.get("gate"))
+    xb = x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
+    wb = wg if wg.dtype == torch.bfloat16 and wg.is_contiguous() else wg.to(torch.bfloat16).contiguous()
+    moe_gate_gemm(xb, wb, part, config=cfg_g)
+    return part
+
+
+def route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int = 1,
+          topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+          backend: str = "triton", config: dict | None = None, scoring_func: str = "sigmoid",
+          invariant: bool = True, local: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ids and combine weights per token (noaux_tc). `config`: {"gate": {...}, "route": {...}}.
+
+    Guarantee: every id is in [0, E) and a token's ids are distinct, whatever the input (NaN or
+    Inf hidden rows or weights): a NaN selection score counts as -inf, ties go to the lowest id.
+    The weights of such a token may be NaN; the ids need no further check (`fused_experts(...,
+    check_ids=False)`). `scoring_func`: "sigmoid" (DeepSeek-V3 / Kimi) or "softmax" (scores are
+    the softmax over all experts; selection and weights as for sigmoid). `invariant` (default):
+    the gate GEMM's tiles come from the M=1 config so a token's logits do not depend on the batch
+    (the split over H is fixed by H alone). No device read on either backend's launch path.
+    `local` = (first, count): an expert-parallel rank's experts [first, first + count): the choice
+    and weights are over all E experts as without it, but each id comes out as id - first, or -1
+    for another rank's expert (`moe_route_local`; the align kernels and top-k sums skip -1), so
+    the ranks' routed outputs still sum to the whole."""
+    check_backend("route", backend)
+    M, H, E = _check_route(x, wg, bias, top_k, n_group, topk_group, scoring_func, local)
     if backend == "torch":
         ids, w = moe_route_ref(x, wg, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
                                scoring_func)
@@ -285,16 +470,8 @@ def route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_g
     wts = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
     if M == 0:
         return ids, wts
-    split = route_split(H)
-    part = torch.empty(split, M, E, dtype=torch.float32, device=x.device)
     config = config or {}
-    if invariant:
-        cfg_g = invariant_config(moe_gate_gemm, {"E": E, "H": H}, M, config.get("gate"))
-    else:
-        cfg_g = config_for(moe_gate_gemm, {"E": E, "H": H}, M, config.get("gate"))
-    xb = x if x.dtype == torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
-    wb = wg if wg.dtype == torch.bfloat16 and wg.is_contiguous() else wg.to(torch.bfloat16).contiguous()
-    moe_gate_gemm(xb, wb, part, config=cfg_g)
+    part = _gate_partials(x, wg, config, invariant)
     cfg = config_for(moe_route, {"E": E, "TOPK": top_k}, M, config.get("route"))
     bf = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
     args = (part, bf, ids, wts, n_group, topk_group, int(bool(norm_topk_prob)), SCORING[scoring_func],
@@ -312,6 +489,56 @@ def local_ids(ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
     the torch form of `moe_route_local`'s ids (reference and replayed routing)."""
     loc = ids - first
     return torch.where((loc >= 0) & (loc < count), loc, torch.full_like(loc, -1)).to(torch.int32)
+
+
+def route_align_fuses(m: int, n_experts: int, top_k: int) -> bool:
+    """Whether `route_align` routes and aligns m tokens in one launch (`moe_route_align`): up to
+    ALIGN_ONE_MAX_T rows and a [p2(m), p2(E)] score tile of at most ROUTE_ALIGN_MAX_TILE."""
+    return 0 < m * top_k <= ALIGN_ONE_MAX_T and _p2(m) * _p2(n_experts) <= ROUTE_ALIGN_MAX_TILE
+
+
+def route_align(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int = 1,
+                topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, *,
+                block_m: int, backend: str = "triton", config: dict | None = None, scoring_func: str = "sigmoid",
+                invariant: bool = True, local: tuple[int, int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`route` then `moe_align` of its ids: (ids, weights, sorted_ids, block_expert), the align over
+    the E experts (or, with `local`, the rank's `count` experts and its local ids) in blocks of
+    `block_m` rows (`expert_block_m`: what `fused_experts` walks; pass the last two as its `aligned`).
+
+    backend="triton": the gate GEMM, then for decode and verify (`route_align_fuses`) ONE launch,
+    `moe_route_align` (`moe_route_align_local` with `local`): the same bits as `moe_route` +
+    `moe_align_one`; above that `route` and `moe_align` (two or three launches). `config` may hold
+    "gate", "route", "route_align" and the align configs. No device read on either backend."""
+    check_backend("route_align", backend)
+    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
+        raise ValueError(f"route_align: block_m must be a positive int, got {block_m!r}")
+    M, H, E = _check_route(x, wg, bias, top_k, n_group, topk_group, scoring_func, local)
+    n = E if local is None else local[1]
+    if backend == "torch" or not route_align_fuses(M, E, top_k):
+        ids, w = route(x, wg, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+                       backend=backend, config=config, scoring_func=scoring_func, invariant=invariant, local=local)
+        sid, bexp = moe_align(ids, n, block_m, backend=backend, check=False, config=config)
+        return ids, w, sid, bexp
+    config = config or {}
+    part = _gate_partials(x, wg, config, invariant)
+    T = M * top_k
+    nb = -(-T // block_m) + min(n, T)
+    dev = x.device
+    ids = torch.empty(M, top_k, dtype=torch.int32, device=dev)
+    wts = torch.empty(M, top_k, dtype=torch.float32, device=dev)
+    bexp = torch.empty(nb, dtype=torch.int32, device=dev)
+    sid = torch.empty(nb * block_m, dtype=torch.int32, device=dev)  # every slot written by the kernel
+    bf = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
+    kern = moe_route_align if local is None else moe_route_align_local
+    cfg = config_for(kern, {"E": E, "TOPK": top_k, "NG": n_group, "EA": n, "BM": block_m}, M, config.get("route_align"))
+    args = (part, bf, ids, wts, bexp, sid, n_group, topk_group, int(bool(norm_topk_prob)), SCORING[scoring_func],
+            n, block_m, _p2(M), float(routed_scaling_factor))
+    if local is None:
+        kern(*args, config=cfg)
+    else:
+        kern(*args, int(local[0]), config=cfg)
+    return ids, wts, sid, bexp
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1158,7 +1385,7 @@ def _stage_configs(config: dict | None, fmt: str, E: int, H: int, I: int, top_k:
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEWeights,
                   backend: str = "triton", config: dict | None = None, check_ids: bool = True,
                   invariant: bool = True, xq: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  partials: bool = False) -> torch.Tensor:
+                  partials: bool = False, aligned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Routed-expert output f32 [M, H] = sum_k wts[m,k] * expert_{ids[m,k]}(x[m]).
 
     check_ids (default on) refuses ids outside [0, E) by reading them (a device sync, so not
@@ -1171,7 +1398,10 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEW
     `ops.norm.rms_norm_quant` emits it with the normed rows: no quant launch here.
     `partials`: return the [M*top_k, H] f32 rows before the top-k sum (always REDUCE="partial")
     for `combine_norm`; the row of a (token, k) with an id outside [0, E) is not written (torch
-    backend: 0) and must be read through the ids, as `combine_norm` does."""
+    backend: 0) and must be read through the ids, as `combine_norm` does.
+    `aligned`: (sorted_ids, block_expert) of these ids in blocks of `expert_block_m(w, top_k, M,
+    config, invariant)` rows, as `route_align` gives them: no align launch here (their sizes are
+    checked against that BLOCK_M)."""
     _check_backend(backend)
     E, H, I = w.dims()
     check_tensor("fused_experts", "hidden", x, 2, (torch.bfloat16, torch.float16, torch.float32))
@@ -1217,7 +1447,16 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEW
     if partials:
         c2["REDUCE"] = "partial"
     bm = c1["BLOCK_M"]
-    sorted_ids, bexp = moe_align(ids, E, bm, check=False, config=config)  # the kdsl align kernels
+    if aligned is None:
+        sorted_ids, bexp = moe_align(ids, E, bm, check=False, config=config)  # the kdsl align kernels
+    else:
+        sorted_ids, bexp = aligned
+        nb = -(-(M * top_k) // bm) + min(E, M * top_k)
+        for name, t, n in (("aligned sorted_ids", sorted_ids, nb * bm), ("aligned block_expert", bexp, nb)):
+            check_tensor("fused_experts", name, t, 1, (torch.int32,), dev, contiguous=True)
+            if t.numel() != n:
+                raise ValueError(f"fused_experts: {name} must have {n} entries (blocks of BLOCK_M={bm} rows), "
+                                 f"got {t.numel()}")
     S = sorted_ids.numel()
     T = M * top_k
     gq = sq == "stage1"
@@ -1266,6 +1505,16 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEW
     cs = config_for(moe_sum_ids, {"H": H, "TOPK": top_k}, M, (config or {}).get("sum"))
     moe_sum_ids(part, ids32.reshape(-1), res, top_k, E, config=cs)
     return res
+
+
+def expert_block_m(w: MoEWeights, top_k: int, m: int, config: dict | None = None, invariant: bool = True) -> int:
+    """The BLOCK_M (rows per aligned block) `fused_experts` walks for m tokens: stage 1's tuned (or
+    given) tile; what `route_align` must align with (a host lookup, no launch)."""
+    E, H, I = w.dims()
+    cfg = dict(config or {})
+    if w.fmt == "w4a8":
+        cfg["stage2_quant"] = stage2_quant_mode(config, E, H, I, top_k, m)
+    return int(_stage_configs(cfg, w.fmt, E, H, I, top_k, m, invariant)[0]["BLOCK_M"])
 
 
 def experts_ref_rows(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEWeights) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import kdsl as kd
 
+from ops.moe import split_sum
+
 NEG_INF = float("-inf")
 
 
@@ -22,17 +24,16 @@ def moe_route_topk(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", kd
     E, K, ng, tkg = kd.static("E"), kd.static("TOPK"), kd.static("NG"), kd.static("TOPKG")
     kd.require(E % ng == 0, "E must be a multiple of n_group", "NG")
     eg = E // ng
-    sp = kd.full_range("SPLIT")
     kk = kd.full_range("TOPK")
     if ng == 1:
         e = kd.full_range("E")
-        scores = kd.sigmoid(kd.sum(logits[sp, m, e], axis=sp))  # fixed order: deterministic
+        scores = kd.sigmoid(split_sum(logits, m, e))  # fixed order: deterministic
         _, top = kd.topk(scores + bias[e], K, axis=e, into=kk)  # masked lanes rank last
     else:  # group score = sum of the top-2 biased scores of the group; keep topk_group groups
         g = kd.span(0, _p2(ng), ng if _p2(ng) != ng else None, "g")
         j = kd.span(0, _p2(eg), eg if _p2(eg) != eg else None, "j")
         e = g * eg + j  # expert id over (g, j)
-        scores = kd.sigmoid(kd.sum(logits[sp, m, e], axis=sp))
+        scores = kd.sigmoid(split_sum(logits, m, e))
         sel = scores + bias[e]
         top2, _ = kd.topk(sel, 2, axis=j)
         gs = kd.sum(top2, axis=top2.axes[-1])

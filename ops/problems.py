@@ -363,6 +363,17 @@ def _align_nb(p: Problem, t: int) -> int:
     return -(-t // p["BM"]) + min(p["E"], t)
 
 
+def _ea(p: Problem) -> Problem:
+    """The align's view of a route_align problem: E = the experts aligned (EA)."""
+    return {"E": p["EA"], "BM": p["BM"]}
+
+
+def _route_align_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    """ops.moe.route_align's launch dims: the token tile MB = p2(M), the aligned blocks of T = M x TOPK."""
+    nb = _align_nb(_ea(p), m * p["TOPK"])
+    return {"MB": 1 << max(0, (m - 1).bit_length()), "NB": nb, "S": nb * p["BM"]}
+
+
 def _topk_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
     """Partial rows P = M x TOPK; E (the id bound) and SH (shared expert added) are compile-time
     values of the kernel but no part of its cost or key: Kimi's 384 experts and a shared expert."""
@@ -405,6 +416,14 @@ MODELS += [
     ProblemModel("moe_route_local", ("E", "TOPK"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
                  bytes_fn=_rows("E", lambda p: p.get("SPLIT", 1) * p["E"] * 4 + p["TOPK"] * 8, lambda p: p["E"] * 4),
                  flops_fn=lambda p, m: 4.0 * m * p["E"]),
+    # route + align in one program: the SPLIT partial logits of M tokens, ids, weights, block map and
+    # sorted slots (EA: the experts aligned, E or an expert-parallel rank's share; MB: the token tile)
+    *(ProblemModel(name, ("E", "TOPK", "NG", "EA", "BM"), m_block=None, peak_dtype="f32", loop_dim=None,
+                   loop_block=None, flops_fn=lambda p, m: 4.0 * m * p["E"] + 2.0 * m * p["TOPK"] * p["EA"],
+                   bytes_fn=lambda p, m: (m * (p.get("SPLIT", 1) * p["E"] * 4 + p["TOPK"] * 8) + p["E"] * 4
+                                          + _align_nb(_ea(p), m * p["TOPK"]) * (1 + p["BM"]) * 4),
+                   derived=_route_align_derived)
+      for name in ("moe_route_align", "moe_route_align_local")),
     ProblemModel("moe_align_blocks", ("E", "BM"), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None,
                  loop_block=None, bytes_fn=lambda p, m: m * 4 + p["E"] * 4 + _align_nb(p, m) * (1 + p["BM"]) * 4,
                  flops_fn=lambda p, m: 0.0,

@@ -387,6 +387,18 @@ def test_shared_numerics_picks_one_tile_for_every_bucket(monkeypatch):
     assert search._numerics({"BLOCK_M": 16, "num_warps": 8, "num_stages": 2}) == (("BLOCK_M", 16),)
 
 
+def test_candidates_compile_at_the_bucket_m_when_m_sets_a_static_dim():
+    """Most kernels compile once at REPORT_M for every bucket; one whose static dims follow M (the
+    token tile MB = p2(M) of moe_route_align) is compiled at each bucket's own M."""
+    from autotune import search
+    from ops import moe
+
+    t = get_target("gfx942")
+    assert search.compile_m(K, PROB, 1, t) == search.REPORT_M
+    ra = {"E": 384, "TOPK": 8, "NG": 1, "EA": 384, "BM": 16}
+    assert [search.compile_m(moe.moe_route_align, ra, m, t) for m in (1, 4, 16)] == [1, 4, search.REPORT_M]
+
+
 def test_verify_problem_tunes_with_the_decode_files_numerics(tmp_path):
     """A q_len-4 MLA problem runs with the numerics keys of the q_len-1 file's M=1 entry
     (invariant_config): the tuner takes them as given and varies only the launch keys."""

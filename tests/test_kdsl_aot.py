@@ -57,6 +57,21 @@ def test_sm90_uses_mma_or_wgmma():
     assert any(k.startswith(("wgmma", "mma.")) for k in r.matrix_instructions), r.matrix_instructions
 
 
+@kd.kernel(static=("N",), example={"N": 256})
+def a_store_barrier_reload(x: kd.In["N", kd.f32], buf: kd.Out["N", kd.f32], out: kd.Out["N", kd.f32]):
+    n, = kd.grid(kd.tile("N", block=256))
+    buf[n] = x[n] + 1.0
+    kd.barrier()
+    out[n] = buf[(kd.static("N") - 1) - n]
+
+
+@pytest.mark.parametrize("arch,mnemonic", [("gfx942", "s_barrier"), ("gfx950", "s_barrier"), ("sm90", "bar.sync")])
+def test_barrier_compiles(arch, mnemonic):
+    r = aot.report(a_store_barrier_reload, arch)
+    assert r.ok, r.errors
+    assert mnemonic in aot.asm(a_store_barrier_reload, arch)
+
+
 def test_lds_over_limit_is_not_ok():
     cfg = {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 256, "num_stages": 2, "num_warps": 8}   # 160 KiB of tiles
     r = aot.report(a_gemm_bf16, "gfx942", cfg, {"M": 512, "N": 512, "K": 1024})

@@ -142,6 +142,33 @@ def test_exit_if():
     assert torch.equal(out[live], x[live] + 1) and torch.isnan(out[~live]).all()
 
 
+@kd.kernel(static=("M", "N"))
+def i_store_barrier_reload(x: kd.In["M", "N", kd.f32], buf: kd.Out["M", "N", kd.f32],
+                           out: kd.Out["N", "M", kd.f32]):
+    """One program: store a tile, barrier, read it back transposed and reversed along M (each lane
+    reads what other lanes stored)."""
+    m, = kd.grid(kd.tile("M", block=8))        # M <= 8: one program
+    n = kd.full_range("N")
+    buf[m, n] = x[m, n] * 2.0 + 1.0
+    kd.barrier()
+    M = kd.static("M")
+    u, v = kd.span(0, 8, M, "u"), kd.span(0, 16, kd.static("N"), "v")
+    out[v, u] = buf[(M - 1) - u, v]
+
+
+def test_barrier_store_then_reload():
+    g = gen(9)
+    x = torch.randn(5, 11, generator=g)
+    buf, out = poisoned((5, 11), torch.float32), poisoned((11, 5), torch.float32)
+    i_store_barrier_reload(x, buf, out)
+    assert torch.equal(buf, x * 2.0 + 1.0)
+    assert torch.equal(out, (x * 2.0 + 1.0).flip(0).t())
+    for target in ("interpret", "gfx942"):
+        src = i_store_barrier_reload.source({}, target, static={"M": 5, "N": 11})
+        store_at, barrier_at = src.index("tl.store("), src.index("tl.debug_barrier()")
+        assert store_at < barrier_at < src.rindex("tl.load(")
+
+
 @kd.kernel
 def i_colsum_atomic(x: kd.In["M", "N", kd.i32], out: kd.InOut["N", kd.i32]):
     m, n = kd.grid("M", "N")

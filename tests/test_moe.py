@@ -313,7 +313,7 @@ def test_aot_routing_and_align(arch):
     from kdsl import aot
 
     for k in (moe.moe_gate_gemm, moe.moe_route, moe.moe_align_one, moe.moe_align_blocks, moe.moe_align_scatter,
-              moe.moe_sum):
+              moe.moe_sum, moe.moe_route_align, moe.moe_route_align_local):
         r = aot.check(k, arch, {})
         assert r.spills == 0 and r.lds_bytes <= r.lds_limit, k.name
 

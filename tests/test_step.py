@@ -279,7 +279,8 @@ def test_tp_step_is_rank0_of_the_parallel_model():
         for r in rec.launches:
             by.setdefault(r.kernel.name, []).append(r.dims)
         assert {d["H"] for d in by["mla_decode_split"]} == {8}
-        route = by["moe_route_local" if moe == "ep" else "moe_route"]
+        fused = "moe_route_align_local" if moe == "ep" else "moe_route_align"  # one token: route + align, one launch
+        route = by[fused]
         assert route[0]["E"] == 384                           # the router stays replicated
         s1 = by["moe_stage1_w4a8"][0]
         assert (s1["E"], s1["I"]) == (want["E"], want["I"])
@@ -291,7 +292,7 @@ def test_tp_step_is_rank0_of_the_parallel_model():
         assert [op.name for op in rec.mode.ops if op.layer is not None] == []
         moe_layer = [r.kernel.name for r, l in zip(rec.launches, launch_layers(rec)) if l == 1]
         assert moe_layer[-2:] == ["moe_combine_rank", "rmsnorm_add"]      # the all-reduce runs between them
-        assert "moe_route_local" in moe_layer if moe == "ep" else "moe_route" in moe_layer
+        assert fused in moe_layer and not {"moe_route", "moe_route_local", "moe_align_one"} & set(moe_layer)
         assert not {"moe_sum_ids", "moe_combine_norm", "rmsnorm"} & set(moe_layer)
         assert rec.mode.collectives[0].nbytes == 7168 * 2 and rec.mode.collectives[-1].nbytes == 163840 // 8 * 4
         items = cost_step(dataclasses.replace(rec, launches=[]), cfg, "gfx942", 8192, tp=8)   # no AOT compiles
@@ -351,7 +352,7 @@ def test_tune_model_dry_run_lists_the_step_problems(capsys):
     # N2=4096: the shared expert's gate|up GEMM with SiLU*up; N=2112: q_a|kv_a as one split-K GEMM
     for want in ("gemm_bf16_silu_mul N2=4096,K=7168", "gemm_bf16_splitk N=2112,K=7168",
                  "mla_decode_split QL=1,H=64,DL=512,DR=64,PS=64", "moe_stage1_w4a8 E=384,K=7168,I=2048,TOPK=8",
-                 "rmsnorm_add_quant D=7168", "moe_combine_norm D=7168,TOPK=8", "moe_align_one E=384,BM=16",
+                 "rmsnorm_add_quant D=7168", "moe_combine_norm D=7168,TOPK=8", "moe_route_align E=384,TOPK=8,NG=1,EA=384,BM=16",
                  "gemm_bf16 N=163840,K=7168"):
         assert want in out
 
@@ -366,9 +367,9 @@ def test_ep_tuning_scores_the_ranks_share(capsys, tmp_path):
     from ops import moe
 
     assert main(["tune-model", "--config", "kimi-k2.5", "--arch", "gfx942", "--tp", "8", "--moe-parallel", "ep",
-                 "--dry-run", "--q-lens", "1", "--only", "moe_stage1_w4a8,moe_align_one"]) == 0
+                 "--dry-run", "--q-lens", "1", "--only", "moe_stage1_w4a8,moe_route_align_local"]) == 0
     out = capsys.readouterr().out
-    assert "moe_stage1_w4a8 E=48,K=7168,I=2048,TOPK=8,EALL=384" in out and "moe_align_one E=48,BM=16\n" in out
+    assert "moe_stage1_w4a8 E=48,K=7168,I=2048,TOPK=8,EALL=384" in out and "moe_route_align_local E=384,TOPK=8,NG=1,EA=48,BM=16,EALL=384\n" in out
     prob = {"E": 48, "K": 7168, "I": 2048, "TOPK": 8}
     assert file_name(moe.moe_stage1_w4a8, {**prob, "EALL": 384}) == file_name(moe.moe_stage1_w4a8, prob)
     rows = {}
