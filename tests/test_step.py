@@ -339,7 +339,7 @@ def test_bench_step_json_and_plot(monkeypatch, capsys, tmp_path):
         assert all(f["why"] in ("fallback", "no lookup") for f in s["fallbacks"])
         # the MoE half looks up and finds tuned configs for every launch (align kernels included)
         assert not {"moe_align_one", "moe_combine_norm", "rmsnorm_add_quant",
-                    "gemm_bf16_silu_mul"} & {f["name"] for f in s["fallbacks"]}
+                    "gemm_bf16_splitk", "gemm_bf16_swiglu"} & {f["name"] for f in s["fallbacks"]}
     if "--plot" in argv:
         assert png.stat().st_size > 10000
 
