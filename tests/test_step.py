@@ -349,8 +349,9 @@ def test_tune_model_dry_run_lists_the_step_problems(capsys):
 
     assert main(["tune-model", "--config", "kimi-k2.5", "--arch", "gfx942", "--dry-run", "--q-lens", "1"]) == 0
     out = capsys.readouterr().out
-    # N2=4096: the shared expert's gate|up GEMM with SiLU*up; N=2112: q_a|kv_a as one split-K GEMM
-    for want in ("gemm_bf16_silu_mul N2=4096,K=7168", "gemm_bf16_splitk N=2112,K=7168",
+    # N=4096: the shared expert's split-K gate|up GEMM, then SiLU*up and down over its 4 splits;
+    # N=2112: q_a|kv_a as one split-K GEMM
+    for want in ("gemm_bf16_splitk N=4096,K=7168", "gemm_bf16_swiglu N=7168,I=2048,S=4", "gemm_bf16_splitk N=2112,K=7168",
                  "mla_decode_split QL=1,H=64,DL=512,DR=64,PS=64", "moe_stage1_w4a8 E=384,K=7168,I=2048,TOPK=8",
                  "rmsnorm_add_quant D=7168", "moe_combine_norm D=7168,TOPK=8", "moe_route_align E=384,TOPK=8,NG=1,EA=384,BM=16",
                  "gemm_bf16 N=163840,K=7168"):
@@ -398,9 +399,11 @@ def test_draft_step_records_on_meta():
         names = [r.kernel.name for r in rec.launches]
         gemms = [(r.dims["N"], r.dims["K"], r.dims["M"]) for r in rec.launches if r.kernel.name == "gemm_bf16"]
         fc = [(7168, 3 * 7168, ql)] if ql > 1 else []
-        assert gemms == fc + [(8192, 14336, ql)] * 3 + [(7168, 8192, ql), (7168, 12288, ql), (163840, 7168, ql)]
-        gu = [(r.dims["N2"], r.dims["K"]) for r in rec.launches if r.kernel.name == "gemm_bf16_silu_mul"]
-        assert gu == [(24576, 7168)]                          # the MLP's gate|up with SiLU*up in the epilogue
+        assert gemms == fc + [(8192, 14336, ql)] * 3 + [(7168, 8192, ql), (163840, 7168, ql)]
+        # the MLP: its gate|up split along K, then SiLU*up and the down GEMM over the splits
+        gu = [(r.dims["N"], r.dims["K"]) for r in rec.launches if r.kernel.name == "gemm_bf16_splitk"]
+        down = [(r.dims["N"], r.dims["I"]) for r in rec.launches if r.kernel.name == "gemm_bf16_swiglu"]
+        assert gu == [(24576, 7168)] and down == [(7168, 12288)]
         assert names.count("rope_neox") == 2 and names.count("mha_cache_append") == 1 and "silu_mul" not in names
         att = next(r for r in rec.launches if r.kernel.name == "mha_decode")
         assert (att.dims["QL"], att.dims["HQ"], att.dims["KVH"], att.dims["D"], att.dims["PS"]) == (ql, 64, 64, 128, 64)
@@ -474,7 +477,7 @@ def test_tune_model_draft_dry_run_lists_the_draft_problems(capsys, tmp_path):
     assert main(["tune-model", "--model", "draft", "--draft-config", str(path), "--arch", "gfx942", "--dry-run",
                  "--q-lens", "1"]) == 0
     out = capsys.readouterr().out
-    for want in ("gemm_bf16 N=8192,K=14336", "gemm_bf16_silu_mul N2=24576,K=7168", "gemm_bf16 N=7168,K=12288",
+    for want in ("gemm_bf16 N=8192,K=14336", "gemm_bf16_splitk N=24576,K=7168", "gemm_bf16_swiglu N=7168,I=12288,S=4",
                  "mha_decode QL=1,HQ=64,KVH=64,D=128,PS=64", "rope_neox H=64,R=128"):
         assert f"  {want}\n" in out
     for shared in ("gemm_bf16 N=163840,K=7168", "gemm_bf16 N=7168,K=8192", "rmsnorm D=7168"):
