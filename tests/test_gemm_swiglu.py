@@ -86,3 +86,5 @@ def test_gemm_bf16_swiglu_wrapper_checks():
         W.gemm_bf16_swiglu(part.bfloat16(), w)
     with pytest.raises(ValueError, match="backend"):
         W.gemm_bf16_swiglu(part, w, backend="cuda")
+    with pytest.raises(ValueError, match="at least one split"):
+        W.gemm_bf16_swiglu(torch.randn(0, 3, 64), w)
