@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="stop compiling new candidates after this many seconds (the file says budget_hit)")
     t.add_argument("--seed", type=int, default=0, help="seed of the candidate sampling (same seed, same result)")
     t.add_argument("--max-candidates", type=int, default=32,
-                   help="candidates per bucket after pruning (seeded sample when the space is larger; 0 = all)")
+                   help="candidates per bucket after pruning (seeded sample when the space is larger; 0 = all); "
+                        "each bucket's best then runs with every launch-option combination")
     t.add_argument("--workers", type=int, default=None, help="parallel compiles (default: all cores)")
     t.add_argument("--out", default=None, help="root folder; the file goes to OUT/<arch>/ (OUT/<arch>/cu<N>/ with --cu-count)")
     t.add_argument("--in-place", action="store_true",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import datetime
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -212,6 +213,102 @@ def _prior_configs(kernel: Any, target: Target, static: dict[str, Any], path: st
     return out
 
 
+def _compile(kernel: Any, target: Target, jobs: dict[tuple, tuple[dict, dict]], reports: dict[tuple, dict[str, Any]],
+             workers: int, deadline: float | None, progress: bool) -> bool:
+    """AOT-compile `jobs` ((config key, compile M) -> (config, dims)) in worker processes, in order,
+    filling `reports`; returns whether the budget `deadline` stopped it early."""
+    budget_hit = False
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(jobs), file=sys.stderr, desc=f"compile {kernel.name}@{target.name}", unit="cfg")
+        except ImportError:
+            bar = None
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+    ex = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    futs: dict[cf.Future, tuple] = {}
+    it = iter(list(jobs))
+
+    def submit_next() -> bool:
+        k = next(it, None)
+        if k is None:
+            return False
+        c, p = jobs[k]
+        futs[ex.submit(_run_job, kernel.name, target.name, c, p)] = k
+        return True
+
+    try:
+        for _ in range(2 * workers):  # at most 2 x workers in flight, so a budget stop wastes little
+            if not submit_next():
+                break
+        while futs:
+            if deadline is not None and time.monotonic() > deadline + GRACE_S:
+                budget_hit = True
+                break  # compiles still running past the budget are abandoned (workers killed below)
+            done, _ = cf.wait(list(futs), timeout=1.0, return_when=cf.FIRST_COMPLETED)
+            for f in done:
+                k = futs.pop(f)
+                reports[k] = f.result()
+                if bar:
+                    bar.update(1)
+                if deadline is not None and time.monotonic() > deadline:
+                    budget_hit = True
+                if not budget_hit:
+                    submit_next()
+    except BaseException:
+        ex.shutdown(wait=False, cancel_futures=True)
+        for p in list((getattr(ex, "_processes", None) or {}).values()):
+            p.terminate()
+        raise
+    finally:
+        if bar:
+            bar.close()
+    if futs:
+        for p in list((getattr(ex, "_processes", None) or {}).values()):
+            p.terminate()
+        ex.shutdown(wait=False, cancel_futures=True)
+    else:
+        ex.shutdown(wait=True)
+    return budget_hit
+
+
+def _launch_polish(kernel: Any, target: Target, prob: dict[str, Any], scored_prob: dict[str, Any], buckets: list[Any],
+                   spaces: dict[Any, Any], jobs: dict[tuple, tuple[dict, dict]], reports: dict[tuple, dict[str, Any]],
+                   shared: tuple | None) -> dict[tuple, tuple[dict, dict]]:
+    """Jobs not yet compiled: every combination of the target's option domains (warps, stages,
+    occupancy, ...) for the best compiled config of each bucket (with `shared`: the best one with
+    that numerics tile). A sampled space rarely holds all of them for the winning tile (the
+    mla_combine_uv file tuned from 128 samples ran 4 warps where 8 halve its time)."""
+    from .space import option_domains
+
+    opts = option_domains(target)
+    # a shared tile keeps its numerics: only the launch-only options may vary (kpack or the
+    # matrix instruction shape can change the rounding)
+    names = [n for n in opts if shared is None or n in LAUNCH_ONLY_KEYS]
+    new: dict[tuple, tuple[dict, dict]] = {}
+    for b in buckets:
+        m = bucket_m(b)
+        cm = compile_m(kernel, prob, m, target)
+        best = None
+        for (ck, jm), (c, _) in jobs.items():
+            rep = reports.get((ck, jm))
+            if jm != cm or rep is None or not (spaces[b].admits(c) if shared is None else _numerics(c) == shared):
+                continue
+            rk = costmodel.rank_key(score(kernel, target, scored_prob, m, c, rep))
+            if math.isfinite(rk[1]) and (best is None or rk < best[0]):
+                best = (rk, c)
+        if best is None:
+            continue
+        for vals in itertools.product(*(opts[n] for n in names)):
+            c2 = {**best[1], **dict(zip(names, vals))}
+            key = (_cfg_key(c2), cm)
+            if key not in jobs and key not in new:
+                new[key] = (c2, full_dims(kernel, prob, cm, c2, target))
+    return new
+
+
 def parse_ms(items: list[Any]) -> list[int | str]:
     """M values or buckets (ints, "any") -> sorted distinct buckets."""
     out = set()
@@ -291,64 +388,16 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
                 cm = compile_m(kernel, prob, bucket_m(b), target)
                 jobs.setdefault((_cfg_key(c), cm), (c, full_dims(kernel, prob, cm, c, target)))
     reports: dict[tuple, dict[str, Any]] = {}
-    budget_hit = False
-    bar = None
-    if progress:
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(jobs), file=sys.stderr, desc=f"compile {kernel.name}@{target.name}", unit="cfg")
-        except ImportError:
-            bar = None
-    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-    ex = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
-    try:
-        order = list(jobs)
-        futs: dict[cf.Future, tuple] = {}
-        it = iter(order)
-        # keep at most 2 x workers in flight so a budget stop wastes little
-        def submit_next() -> bool:
-            k = next(it, None)
-            if k is None:
-                return False
-            c, p = jobs[k]
-            futs[ex.submit(_run_job, kernel.name, target.name, c, p)] = k
-            return True
-
-        for _ in range(2 * workers):
-            if not submit_next():
-                break
-        while futs:
-            if deadline is not None and time.monotonic() > deadline + GRACE_S:
-                budget_hit = True
-                break  # compiles still running past the budget are abandoned (workers killed below)
-            done, _ = cf.wait(list(futs), timeout=1.0, return_when=cf.FIRST_COMPLETED)
-            for f in done:
-                k = futs.pop(f)
-                reports[k] = f.result()
-                if bar:
-                    bar.update(1)
-                if deadline is not None and time.monotonic() > deadline:
-                    budget_hit = True
-                if not budget_hit:
-                    submit_next()
-    except BaseException:
-        ex.shutdown(wait=False, cancel_futures=True)
-        for p in list((getattr(ex, "_processes", None) or {}).values()):
-            p.terminate()
-        raise
-    finally:
-        if bar:
-            bar.close()
-    if futs:
-        for p in list((getattr(ex, "_processes", None) or {}).values()):
-            p.terminate()
-        ex.shutdown(wait=False, cancel_futures=True)
-    else:
-        ex.shutdown(wait=True)
-
+    budget_hit = _compile(kernel, target, jobs, reports, workers, deadline, progress)
     shared = forced if forced is not None else _shared_numerics(kernel, target, scored_prob, buckets, jobs, reports) \
         if pm.shared_numerics and mode == "static" else None
+    # the sampled space holds few launch-option combinations of any one tile: compile them all for
+    # each bucket's best tile (a cheap local search)
+    polish = {} if budget_hit else _launch_polish(kernel, target, prob, scored_prob, buckets, spaces, jobs, reports,
+                                                    shared)
+    if polish:
+        jobs.update(polish)
+        budget_hit = _compile(kernel, target, polish, reports, workers, deadline, progress)
     entries = []
     for b in buckets:
         m = bucket_m(b)

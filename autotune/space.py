@@ -18,8 +18,8 @@ from .buckets import ANY
 # Launch-option values worth trying per backend (the full domains multiply the space ~10x for
 # options that rarely matter). Options missing here keep their default.
 OPTION_DOMAINS: dict[str, dict[str, tuple[Any, ...]]] = {
-    "gfx942": {"num_warps": (4, 8), "num_stages": (1, 2), "waves_per_eu": (0, 2), "kpack": (1, 2)},
-    "gfx950": {"num_warps": (4, 8), "num_stages": (1, 2), "waves_per_eu": (0, 2)},
+    "gfx942": {"num_warps": (4, 8, 16), "num_stages": (1, 2), "waves_per_eu": (0, 2), "kpack": (1, 2)},
+    "gfx950": {"num_warps": (4, 8, 16), "num_stages": (1, 2), "waves_per_eu": (0, 2)},
     "sm90": {"num_warps": (4, 8), "num_stages": (2, 3, 4)},
     "interpret": {},
 }

@@ -387,6 +387,37 @@ def test_shared_numerics_picks_one_tile_for_every_bucket(monkeypatch):
     assert search._numerics({"BLOCK_M": 16, "num_warps": 8, "num_stages": 2}) == (("BLOCK_M", 16),)
 
 
+def test_launch_polish_compiles_every_option_combination_of_the_winning_tile(monkeypatch):
+    """A sampled space holds few option combinations of any tile: after the first round the tuner
+    compiles every combination of the target's launch-option domains for each bucket's best
+    compiled config (with a shared numerics tile: that tile's, launch-only options only)."""
+    from autotune import search
+    from autotune.space import option_domains
+
+    t = get_target("gfx942")
+    fast = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves_per_eu": 0,
+            "kpack": 1, "matrix_instr_nonkdim": 0}
+    slow = {**fast, "BLOCK_N": 32}
+    monkeypatch.setattr(search, "score", lambda kernel, target, prob, m, c, rep:
+                        {"predicted_us": 1.0 if c["BLOCK_N"] == 64 else 2.0})
+    jobs = {(search._cfg_key(c), search.REPORT_M): (c, {}) for c in (fast, slow)}
+    reports = {k: {"ok": True} for k in jobs}
+    spaces = {b: search.build(K, t, {}, b, seed=0, max_candidates=1) for b in (1, 8)}
+    new = search._launch_polish(K, t, PROB, PROB, [1, 8], spaces, jobs, reports, None)
+    opts = option_domains(t)
+    assert 16 in opts["num_warps"]
+    want = 1
+    for v in opts.values():
+        want *= len(v)
+    assert len(new) == want - 1                       # every combination but the one compiled
+    assert {c["BLOCK_N"] for c, _ in new.values()} == {64}
+    assert {c["num_warps"] for c, _ in new.values()} == set(opts["num_warps"])
+    shared = search._numerics(fast)
+    new = search._launch_polish(K, t, PROB, PROB, [1, 8], spaces, jobs, reports, shared)
+    assert {search._numerics(c) for c, _ in new.values()} == {shared}   # kpack is not varied
+    assert len(new) == len(opts["num_warps"]) * len(opts["num_stages"]) * len(opts["waves_per_eu"]) - 1
+
+
 def test_candidates_compile_at_the_bucket_m_when_m_sets_a_static_dim():
     """Most kernels compile once at REPORT_M for every bucket; one whose static dims follow M (the
     token tile MB = p2(M) of moe_route_align) is compiled at each bucket's own M."""
