@@ -21,7 +21,7 @@ from .emit import emit_module
 from .errors import ConfigError, LaunchError
 from .ir import GridEntry, OperandHandle, Param, TraceContext, TunableSpec, Value, tracing
 from .options import backend_options, split_config
-from .passes import clamped_dims, run_passes
+from .passes import clamped_dims, constant_indices, run_passes
 from .targets import Target, current_target, get_target, resolve_dtype
 
 REGISTRY: dict[str, "Kernel"] = {}
@@ -79,6 +79,7 @@ class Specialization:
     sources: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # param -> (kind, source, dim): launch view
     wide: dict[str, tuple[int, ...]] = field(default_factory=dict)  # operand -> dims with 64-bit offset terms
     clamped: frozenset = frozenset()  # (operand, dim) read through a clamped gathered index
+    constant: tuple = ()  # ((operand, dim), index): the largest constant index used along that dim
     _fn: Any = None
 
     @property
@@ -289,7 +290,8 @@ class Kernel:
         src = emit_module(c, target, self.name, header)
         sp = Specialization(self, target, {**full_tun, **opts}, full_tun, opts, static, src, "", list(c.grid),
                             list(c.params), stats, _param_sources(c.params), wide=wide,
-                            clamped=frozenset(clamped_dims(c.root)))
+                            clamped=frozenset(clamped_dims(c.root)),
+                            constant=tuple(sorted(constant_indices(c.root).items())))
         self._specs[key] = sp
         return sp
 
@@ -410,6 +412,10 @@ class Kernel:
                 if dims[d] == 0:
                     raise LaunchError(self.name, op, f"dim {d} is 0, but the kernel reads {op} at positions taken "
                                                      "from loaded data")
+            for (op, d), k in sp.constant:
+                if not 0 <= k < dims[d]:
+                    raise LaunchError(self.name, op, f"the kernel accesses {op} at the constant index {k} along {d}, "
+                                                     f"but {d} = {dims[d]}")
         for ax, (e, g) in enumerate(zip(sp.grid, grid)):
             if g < 0:
                 raise LaunchError(self.name, e.dim, f"dim {e.dim} = {dims[e.dim]} is negative (grid axis {ax})")

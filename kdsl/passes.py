@@ -250,6 +250,21 @@ def clamped_dims(root: Block) -> set[tuple[str, str]]:
             for b in n.a.bounds}
 
 
+def constant_indices(root: Block) -> dict[tuple[str, str], int]:
+    """(operand, dim) -> the largest constant (Python int) index any access uses along that dim,
+    e.g. `part.load(0, rows, cols)`: the launch refuses a dim that does not hold it (a constant
+    index carries no mask, so an empty split dim would read outside the operand)."""
+    out: dict[tuple[str, str], int] = {}
+    for n in walk(root):
+        if n.op not in MEMORY_OPS:
+            continue
+        for d, i in zip(n.a.handle.spec.dims, n.a.indices):
+            if isinstance(i, int) and not isinstance(i, bool):
+                key = (n.a.handle.name, d)
+                out[key] = max(out.get(key, i), i) if i >= 0 else min(out.get(key, i), i)
+    return out
+
+
 PACKED_LOADS = {"load_int4": (8, "words"), "load_fp4": (T.FP4_PER_BYTE, "bytes")}  # values per element
 
 

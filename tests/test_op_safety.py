@@ -364,3 +364,23 @@ def test_small_op_checks(backend: str) -> None:
         rope.apply_rope(_rand(2, 2, 5), torch.zeros(2, 2), torch.zeros(2, 2), backend=backend)
     with pytest.raises(ValueError, match="cos/sin must be"):
         rope.apply_rope(_rand(2, 2, 8), torch.zeros(3, 4), torch.zeros(3, 4), backend=backend)
+
+
+def test_constant_index_into_an_empty_dim_is_refused_at_launch() -> None:
+    """A split-K consumer reads split 0 at a constant index, which no mask guards: the launch
+    refuses a partials tensor with no split (kernel-level, whatever the wrapper checks), naming the
+    operand and the dim, on the interpreter as in record mode."""
+    import kdsl as kd
+    from ops.swiglu import gemm_bf16_swiglu_kernel
+
+    w = _rand(32, 16)
+    for part in (torch.empty(0, 2, 32), torch.empty(0, 2, 32, device="meta")):
+        out = torch.empty(2, 32, dtype=torch.bfloat16, device=part.device)
+        with pytest.raises(kd.LaunchError, match=r"'part'.*constant index 0 along S, but S = 0"):
+            if part.is_meta:
+                with kd.recording("gfx942"):
+                    gemm_bf16_swiglu_kernel(part, w.to("meta"), out)
+            else:
+                gemm_bf16_swiglu_kernel(part, w, out)
+    part = torch.randn(1, 2, 32)
+    gemm_bf16_swiglu_kernel(part, w, torch.empty(2, 32, dtype=torch.bfloat16))   # one split: fine
