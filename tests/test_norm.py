@@ -36,6 +36,20 @@ def test_rmsnorm_residual_returns_both() -> None:
     assert y.shape == x.shape and r.shape == x.shape
 
 
+def test_rmsnorm_residual_strided_view() -> None:
+    """A residual read through a view of a wider buffer (rows with a stride): the sum is exact and
+    the buffer is left as it was (the new residual is a tensor of its own)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 48, generator=g).bfloat16()
+    buf = torch.randn(4, 80, generator=g).bfloat16()
+    buf_before = buf.clone()
+    w = (torch.rand(48, generator=g) + 0.5).bfloat16()
+    y, r = norm.rms_norm(x, w, 1e-6, residual=buf[:, 16:64], config={"BLOCK_D": 16})
+    y_ref, r_ref = norm.rmsnorm_add_ref(x, buf[:, 16:64], w, 1e-6)
+    assert torch.equal(r, r_ref) and torch.equal(buf, buf_before)
+    torch.testing.assert_close(y.float(), y_ref.float(), **BF16_TOL)
+
+
 def test_rmsnorm_kernel_writes_every_row() -> None:
     x = torch.randn(4, 32).bfloat16()
     w = torch.randn(32).bfloat16()
