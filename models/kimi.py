@@ -214,13 +214,13 @@ class _MoE:
     def fused_block(self, a: torch.Tensor, h: torch.Tensor, n2: RMSNorm, nxt: RMSNorm
                     ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The MoE half of a decoder layer on triton, from the (all-reduced) attention output `a` and
-        the residual stream `h` (updated IN PLACE) to (the next norm's output, h):
+        the residual stream `h` (only read) to (the next norm's output, the new residual stream):
         rmsnorm_add(_quant) -> gate GEMM, route + align (one launch at 1-2 tokens) -> stage 1 -> stage 2
         (partial rows) -> shared expert (split-K gate|up GEMM, then SiLU*up and down in one GEMM) -> at
         world size 1 combine_norm (top-k sum
         in k order + shared + residual add + the next RMSNorm); at world size > 1 combine_rank (the
-        rank's top-k sum + shared, bf16), the all-reduce, then the next norm's rmsnorm_add with the
-        residual in place. For W4A8 experts the post-attention norm emits the per-token int8
+        rank's top-k sum + shared, bf16), the all-reduce, then the next norm's rmsnorm_add writing the
+        new residual (combine_norm updates the post-attention residual, a fresh tensor, in place). For W4A8 experts the post-attention norm emits the per-token int8
         activations stage 1 reads (no quant launch). None when this layer's experts take another
         path (MXFP4)."""
         from ops.moe import MoEWeights, combine_norm, combine_rank, expert_block_m, fused_experts
@@ -232,7 +232,7 @@ class _MoE:
             x8, xs, x, h = n2.add_norm_quant(a, h)
             xq = (x8, xs)
         else:
-            x, h = n2.add_norm(a, h, inplace=True)
+            x, h = n2.add_norm(a, h)
             xq = None
         ids, w, aligned = self._routed_ids(x, block_m=expert_block_m(self.experts, self.moe_cfg.top_k, x.shape[0]))
         part = fused_experts(x, ids, w, self.experts, backend="triton", check_ids=False, xq=xq, partials=True,
@@ -242,7 +242,7 @@ class _MoE:
             y = combine_norm(part, ids, s, h, nxt.w, nxt.eps, len(self.local), backend="triton")
             return y, h
         mine = combine_rank(part, ids, s, len(self.local), backend="triton")
-        return nxt.add_norm(self.comm.all_reduce(mine), h, inplace=True)     # aux captures see full sums
+        return nxt.add_norm(self.comm.all_reduce(mine), h)     # aux captures see full sums
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton":
@@ -505,19 +505,19 @@ class KimiModel:
         N = self.cfg.num_hidden_layers
         caps: dict[int, torch.Tensor] = {}
         x = self.layers[0][0](h) if N else self.norm(h)
-        fuse = self.backend == "triton"                     # the triton norms update h in place
+        fuse = self.backend == "triton"
         for i, (n1, attn, n2, mlp) in enumerate(self.layers):
-            if i in self.capture_ids:                         # the residual stream entering layer i
-                caps[i] = h.clone() if fuse else h            # (the triton norms update h in place)
+            if i in self.capture_ids:                         # the residual stream entering layer i: the
+                caps[i] = h                                   # norms write each new sum to a new tensor
             a = self.comm.all_reduce(attn(x, cos, sin, cache, i, ctx))    # row-parallel o_proj: sum the ranks
             nxt = self.layers[i + 1][0] if i + 1 < N else self.norm
             fused = getattr(mlp, "fused_block", None) if fuse else None   # the MoE layers (_MoE)
             done = fused(a, h, n2, nxt) if fused is not None else None
-            if done is not None:                          # MoE half + next norm, residual in place
+            if done is not None:                          # MoE half + next norm, the new residual
                 x, h = done
                 continue
-            x, h = n2.add_norm(a, h, inplace=fuse)                        # residual add fused into the norm
-            x, h = nxt.add_norm(self.comm.all_reduce(mlp(x)), h, inplace=fuse)   # aux captures see full sums
+            x, h = n2.add_norm(a, h)                                      # residual add fused into the norm
+            x, h = nxt.add_norm(self.comm.all_reduce(mlp(x)), h)          # aux captures see full sums
         if N in self.capture_ids:
             caps[N] = h
         advance(cache.table, ctx)

@@ -124,33 +124,28 @@ class RMSNorm:
             return xb
         return rms_norm(xb.contiguous(), self.w, self.eps, backend="triton")
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, inplace: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): the residual add fused into the norm on triton
         (ops.norm.rms_norm with `residual`, the rmsnorm_add kernel); the sum is rounded to the
-        residual's dtype either way. `inplace` (triton, a contiguous bf16 residual): the sum is
-        written into `residual` itself (no copy launch); the caller must not need the old value."""
+        residual's dtype either way. `residual` is only read: carry the returned sum on (on triton
+        the launch writes it to a new tensor, no copy launch)."""
         if self.backend == "torch" or x.numel() == 0:
             r = residual + x.to(residual.dtype)
             return self(r), r
         from ops.norm import rms_norm
 
-        ip = inplace and residual.dtype == torch.bfloat16 and residual.is_contiguous()
-        y, r = rms_norm(x.to(torch.bfloat16).contiguous(), self.w, self.eps,
-                        residual=residual if ip else residual.to(torch.bfloat16).contiguous(), inplace=ip,
-                        backend="triton")
-        return y, r
+        return rms_norm(x.to(torch.bfloat16).contiguous(), self.w, self.eps,
+                        residual=residual.to(torch.bfloat16), backend="triton")
 
     def add_norm_quant(self, x: torch.Tensor, residual: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Triton only: (int8 q, f32 scale, normed bf16, residual) of `add_norm(x, residual,
-        inplace=True)` in one launch (ops.norm.rms_norm_quant, the rmsnorm_add_quant kernel): the
-        per-token int8 activations a W4A8 consumer reads, bit-equal to quantizing the normed rows."""
+        """Triton only: (int8 q, f32 scale, normed bf16, residual + x) of `add_norm(x, residual)` in
+        one launch (ops.norm.rms_norm_quant, the rmsnorm_add_quant kernel): the per-token int8
+        activations a W4A8 consumer reads, bit-equal to quantizing the normed rows."""
         from ops.norm import rms_norm_quant
 
-        q, s, y, r = rms_norm_quant(x.to(torch.bfloat16).contiguous(), self.w, self.eps, residual=residual,
-                                    inplace=True, backend="triton")
-        return q, s, y, r
+        return rms_norm_quant(x.to(torch.bfloat16).contiguous(), self.w, self.eps, residual=residual,
+                              backend="triton")
 
 
 class MLP:

@@ -15,28 +15,63 @@ import kdsl as kd
 from ops._common import check_backend, check_tensor, config_for
 
 
+# A row's outputs are split over BLOCK_D-wide chunks, one program per (row, chunk): at decode a
+# handful of rows would otherwise give a handful of programs, too few to pull the row from HBM at
+# speed. Every program still reduces its statistics over the WHOLE row with the same full-row tile,
+# so the chunk size changes no output bit; only the stores (and their loads) are per chunk.
+CHUNKS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+CHUNKS_SEARCHED = (256, 512, 1024, 2048, 4096, 8192)
+WHOLE_ROW = 8192  # the default chunk: one program per row for rows up to 8192 wide
+
+
+def _row_and_chunk():
+    """(row, full-row tile, chunk tile, chunk is the first of its row): the grid over (M, D chunks).
+    A chunk as wide as the row is the row itself (no second load of the same values)."""
+    bd = kd.tunable("BLOCK_D", CHUNKS, WHOLE_ROW, "outputs per program along D (the statistics always "
+                    "cover the whole row)", search=CHUNKS_SEARCHED)
+    d = kd.full_range("D")
+    kd.require(bd <= d.size or bd == WHOLE_ROW, "BLOCK_D no wider than the row padded to a power of two "
+               "(wider chunks are the same kernel as the row-wide one)", "BLOCK_D")
+    row, dc = kd.grid(kd.each("M"), kd.tile("D", "BLOCK_D"))
+    if dc.size >= d.size:
+        return row, d, d, None
+    return row, d, dc, dc.start < 1
+
+
+def _residual_sum(x, res, row, t):
+    """bf16(x + res) over the tile t: one f32 add rounded once, as an unfused bf16 model does."""
+    return (x[row, t].to(kd.f32) + res[row, t].to(kd.f32)).to(kd.bf16)
+
+
+def _inv_rms(rf, d, eps):
+    """rsqrt(mean(row^2) + eps) of the whole f32 row (the same reduction in every chunk's program)."""
+    ms = kd.sum(rf * rf, axis=d) / kd.static("D")
+    return kd.rsqrt(ms + eps)
+
+
 @kd.kernel(static=("D",), example={"M": 4, "D": 7168})
 def rmsnorm(x: kd.In["M", "D", kd.bf16], w: kd.In["D", kd.bf16], out: kd.Out["M", "D", kd.bf16],
             eps: kd.Scalar[kd.f32]):
-    """y = x * rsqrt(mean(x^2) + eps) * w, one program per row, f32 math."""
-    row, = kd.grid(kd.each("M"))
-    d = kd.full_range("D")
-    xv = x[row, d].to(kd.f32)
-    ms = kd.sum(xv * xv, axis=d) / kd.static("D")
-    out[row, d] = xv * kd.rsqrt(ms + eps) * w[d].to(kd.f32)
+    """y = x * rsqrt(mean(x^2) + eps) * w, f32 math; one program per (row, BLOCK_D chunk)."""
+    row, d, c, _ = _row_and_chunk()
+    xf = x[row, d].to(kd.f32)
+    inv = _inv_rms(xf, d, eps)
+    xc = xf if c is d else x[row, c].to(kd.f32)
+    out[row, c] = xc * inv * w[c].to(kd.f32)
 
 
 @kd.kernel(static=("D",), example={"M": 4, "D": 7168})
-def rmsnorm_add(x: kd.In["M", "D", kd.bf16], res: kd.InOut["M", "D", kd.bf16], w: kd.In["D", kd.bf16],
-                out: kd.Out["M", "D", kd.bf16], eps: kd.Scalar[kd.f32]):
-    """res <- bf16(x + res); out = rmsnorm(res) * w. Fused residual add and norm, one row per program."""
-    row, = kd.grid(kd.each("M"))
-    d = kd.full_range("D")
-    r = (x[row, d].to(kd.f32) + res[row, d].to(kd.f32)).to(kd.bf16)
-    res[row, d] = r
-    rf = r.to(kd.f32)
-    ms = kd.sum(rf * rf, axis=d) / kd.static("D")
-    out[row, d] = rf * kd.rsqrt(ms + eps) * w[d].to(kd.f32)
+def rmsnorm_add(x: kd.In["M", "D", kd.bf16], res: kd.In["M", "D", kd.bf16], w: kd.In["D", kd.bf16],
+                out: kd.Out["M", "D", kd.bf16], res_out: kd.Out["M", "D", kd.bf16], eps: kd.Scalar[kd.f32]):
+    """res_out = bf16(x + res); out = rmsnorm(res_out) * w. Fused residual add and norm, one program
+    per (row, BLOCK_D chunk). The new residual goes to its own tensor: with several programs per
+    row, an in-place update would overwrite chunks that another program still reads."""
+    row, d, c, _ = _row_and_chunk()
+    rd = _residual_sum(x, res, row, d)
+    inv = _inv_rms(rd.to(kd.f32), d, eps)
+    r = rd if c is d else _residual_sum(x, res, row, c)
+    res_out[row, c] = r
+    out[row, c] = r.to(kd.f32) * inv * w[c].to(kd.f32)
 
 
 @kd.kernel(example={"M": 4, "I2": 4096, "I": 2048},
@@ -76,11 +111,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None,
-             backend: str = "triton", config: dict[str, Any] | None = None, inplace: bool = False):
+             backend: str = "triton", config: dict[str, Any] | None = None):
     """RMSNorm over the last dim. With `residual`: returns (rmsnorm(x + residual), x + residual), the
-    sum rounded to x.dtype; `residual` is not modified (a new tensor holds the sum) unless
-    `inplace=True` (a contiguous residual): then the sum is written into it and it is returned
-    (no copy launch: what a decode step wants for its residual stream)."""
+    sum rounded to x.dtype into a NEW tensor, in the same launch (no copy launch); `residual` is
+    only read, so a decode step carries the returned sum as its residual stream."""
     check_backend("rms_norm", backend)
     check_tensor("rms_norm", "x", x, None, (torch.bfloat16,))
     check_tensor("rms_norm", "weight", weight, 1, (torch.bfloat16,), x.device, contiguous=True)
@@ -94,16 +128,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
         raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"rms_norm: eps must be a finite number >= 0, got {eps!r}")
-    if inplace and (residual is None or not residual.is_contiguous()):
-        raise ValueError("rms_norm: inplace=True needs a contiguous residual")
     if backend == "torch":
-        if residual is None:
-            return rmsnorm_ref(x, weight, eps)
-        y, r = rmsnorm_add_ref(x, residual, weight, eps)
-        if inplace:
-            residual.copy_(r)
-            r = residual
-        return y, r
+        return rmsnorm_ref(x, weight, eps) if residual is None else rmsnorm_add_ref(x, residual, weight, eps)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     x2 = _rows(x)
@@ -114,11 +140,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
         if M:
             rmsnorm(x2, weight, out, float(eps), config=cfg)
         return out.view(x.shape)
-    r2 = residual.view(-1, D) if inplace else residual.reshape(-1, D).clone()
+    r_out = torch.empty_like(x2)
     cfg = config_for(rmsnorm_add, {"M": M, "D": D}, M, config)
     if M:
-        rmsnorm_add(x2, r2, weight, out, float(eps), config=cfg)
-    return out.view(x.shape), (residual if inplace else r2.view(x.shape))
+        rmsnorm_add(x2, _rows(residual), weight, out, r_out, float(eps), config=cfg)
+    return out.view(x.shape), r_out.view(x.shape)
 
 
 def silu_and_mul(x: torch.Tensor, backend: str = "triton", config: dict[str, Any] | None = None) -> torch.Tensor:
@@ -143,41 +169,50 @@ def silu_and_mul(x: torch.Tensor, backend: str = "triton", config: dict[str, Any
 # ---------------------------------------------------------------------------------------------
 # residual add + RMSNorm + per-token int8 quant (the A side of a W4A8 GEMM / MoE), one pass
 
-def _norm_quant_tail(rf, row, d, w, out, q, scale, eps):
-    """Shared tail: bf16 normed row (stored), then its per-token int8 quant (absmax/127, RNE) taken
-    from the bf16-rounded values, exactly as quant_per_token_int8 would read them back."""
+def _norm_quant(rf, rc, row, d, c, first, w, out, q, scale, eps):
+    """Shared tail: the bf16 normed row, then its per-token int8 quant (absmax/127, RNE) taken from
+    the bf16-rounded values, exactly as quant_per_token_int8 would read them back. rf: the whole f32
+    row (the statistics), rc: this program's chunk of it (the stores; rf itself for a row-wide chunk);
+    `first` (None for a row-wide chunk) marks the one program of the row that stores its scale."""
     from ops.quant import MIN_ABSMAX, _round_rne
 
-    ms = kd.sum(rf * rf, axis=d) / kd.static("D")
-    y = (rf * kd.rsqrt(ms + eps) * w[d].to(kd.f32)).to(kd.bf16)
-    out[row, d] = y
-    yf = y.to(kd.f32)
-    s = kd.maximum(kd.max(kd.abs(yf), axis=d), MIN_ABSMAX) / 127.0
-    scale[row] = s
-    q[row, d] = _round_rne(kd.minimum(kd.maximum(yf / s, -127.0), 127.0)).to(kd.i32).to(kd.i8)
+    inv = _inv_rms(rf, d, eps)
+    # max |bf16(v)| == bf16(max |v|): RNE rounding is monotone and symmetric, so the absmax of the
+    # bf16 rows costs one rounding, not one per element (the row-wide statistic every program pays)
+    vmax = kd.max(kd.abs(rf * inv * w[d].to(kd.f32)), axis=d)
+    s = kd.maximum(vmax.to(kd.bf16).to(kd.f32), MIN_ABSMAX) / 127.0
+    y = (rc * inv * w[c].to(kd.f32)).to(kd.bf16)
+    if first is None:
+        scale[row] = s
+    else:
+        kd.store(scale, [row], s, mask=first)
+    out[row, c] = y
+    q[row, c] = _round_rne(kd.minimum(kd.maximum(y.to(kd.f32) / s, -127.0), 127.0)).to(kd.i32).to(kd.i8)
 
 
 @kd.kernel(static=("D",), example={"M": 4, "D": 7168})
 def rmsnorm_quant(x: kd.In["M", "D", kd.bf16], w: kd.In["D", kd.bf16], out: kd.Out["M", "D", kd.bf16],
                   q: kd.Out["M", "D", kd.i8], scale: kd.Out["M", kd.f32], eps: kd.Scalar[kd.f32]):
-    """RMSNorm and per-token int8 quant of the bf16 result in one pass (one row per program): the
-    W4A8 experts read q/scale, bf16 consumers (shared expert, router) read out."""
-    row, = kd.grid(kd.each("M"))
-    d = kd.full_range("D")
-    _norm_quant_tail(x[row, d].to(kd.f32), row, d, w, out, q, scale, eps)
+    """RMSNorm and per-token int8 quant of the bf16 result in one pass (one program per (row,
+    BLOCK_D chunk)): the W4A8 experts read q/scale, bf16 consumers (shared expert, router) read out."""
+    row, d, c, first = _row_and_chunk()
+    rf = x[row, d].to(kd.f32)
+    _norm_quant(rf, rf if first is None else x[row, c].to(kd.f32), row, d, c, first, w, out, q, scale, eps)
 
 
 @kd.kernel(static=("D",), example={"M": 4, "D": 7168})
-def rmsnorm_add_quant(x: kd.In["M", "D", kd.bf16], res: kd.InOut["M", "D", kd.bf16], w: kd.In["D", kd.bf16],
+def rmsnorm_add_quant(x: kd.In["M", "D", kd.bf16], res: kd.In["M", "D", kd.bf16], w: kd.In["D", kd.bf16],
                       out: kd.Out["M", "D", kd.bf16], q: kd.Out["M", "D", kd.i8], scale: kd.Out["M", kd.f32],
-                      eps: kd.Scalar[kd.f32]):
-    """res <- bf16(x + res); out = rmsnorm(res) * w; (q, scale) = per-token int8 of out. One launch
-    instead of rmsnorm_add + quant_per_token_int8, one row per program."""
-    row, = kd.grid(kd.each("M"))
-    d = kd.full_range("D")
-    r = (x[row, d].to(kd.f32) + res[row, d].to(kd.f32)).to(kd.bf16)
-    res[row, d] = r
-    _norm_quant_tail(r.to(kd.f32), row, d, w, out, q, scale, eps)
+                      res_out: kd.Out["M", "D", kd.bf16], eps: kd.Scalar[kd.f32]):
+    """res_out = bf16(x + res); out = rmsnorm(res_out) * w; (q, scale) = per-token int8 of out. One
+    launch instead of rmsnorm_add + quant_per_token_int8, one program per (row, BLOCK_D chunk);
+    the new residual goes to its own tensor (as in rmsnorm_add)."""
+    row, d, c, first = _row_and_chunk()
+    rd = _residual_sum(x, res, row, d)
+    r = rd if c is d else _residual_sum(x, res, row, c)
+    res_out[row, c] = r
+    rf = rd.to(kd.f32)
+    _norm_quant(rf, rf if c is d else r.to(kd.f32), row, d, c, first, w, out, q, scale, eps)
 
 
 def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -194,14 +229,13 @@ def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None,
-                   inplace: bool = False, backend: str = "triton", config: dict[str, Any] | None = None
+                   backend: str = "triton", config: dict[str, Any] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(q int8 [..., D], scale f32 [...], normed bf16 [..., D], residual_out or None) in one launch.
 
-    With `residual`: residual_out = bf16(x + residual) and the norm runs on it (as `rms_norm`);
-    `inplace=True` writes the sum into `residual` itself (contiguous bf16; saves the copy launch a
-    decode step would otherwise pay), else a new tensor holds it. q/scale equal
-    `quantize_int8(normed)` bit for bit."""
+    With `residual`: residual_out = bf16(x + residual), a NEW tensor written by the same launch
+    (`residual` is only read; a decode step carries residual_out on), and the norm runs on it (as
+    `rms_norm`). q/scale equal `quantize_int8(normed)` bit for bit."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"rms_norm_quant: x must be bfloat16, got {x.dtype}")
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
@@ -209,14 +243,8 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, res
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"rms_norm_quant: residual must be {tuple(x.shape)} {x.dtype}, got "
                          f"{tuple(residual.shape)} {residual.dtype}")
-    if inplace and (residual is None or not residual.is_contiguous()):
-        raise ValueError("rms_norm_quant: inplace=True needs a contiguous residual")
     if backend == "torch":
-        q, s, y, r = rms_norm_quant_ref(x, weight, eps, residual)
-        if inplace:
-            residual.copy_(r)
-            r = residual
-        return q, s, y, r
+        return rms_norm_quant_ref(x, weight, eps, residual)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     x2 = _rows(x)
@@ -230,8 +258,8 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, res
         if M:
             rmsnorm_quant(x2, weight, out, q, s, float(eps), config=cfg)
         return q.view(x.shape), s.view(lead), out.view(x.shape), None
-    r2 = residual.view(-1, D) if inplace else residual.reshape(-1, D).clone()
+    r_out = torch.empty_like(x2)
     cfg = config_for(rmsnorm_add_quant, {"M": M, "D": D}, M, config)
     if M:
-        rmsnorm_add_quant(x2, r2, weight, out, q, s, float(eps), config=cfg)
-    return q.view(x.shape), s.view(lead), out.view(x.shape), (residual if inplace else r2.view(x.shape))
+        rmsnorm_add_quant(x2, _rows(residual), weight, out, q, s, r_out, float(eps), config=cfg)
+    return q.view(x.shape), s.view(lead), out.view(x.shape), r_out.view(x.shape)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from autotune.problems import NOMINAL_CTX, Problem, ProblemModel, register
 from ops.mla import DEFAULT_MAX_SPLITS, MAX_Q_LEN, launch_split_count, max_splits_for
 from ops.moe import route_split
+from ops.norm import WHOLE_ROW
 
 def _gemm(wb: float, ab: float, peak: str, group: int = 0) -> tuple[Callable, Callable]:
     def nbytes(p: Problem, m: int) -> float:
@@ -397,13 +398,32 @@ def _combine_extra(p: Problem, m: int, d: Problem) -> float:
     return _batch(p, m) * p["QL"] * p["H"] * s * (p["DL"] + 1) * 4.0
 
 
+# The RMSNorm kernels split a row's outputs over CH = cdiv(D, BLOCK_D) programs that each read the
+# whole row for its statistics. Programs are dealt round-robin over the L2 partitions (the 8 XCDs of
+# gfx942 / gfx950), so up to 8 of them miss L2 on the same row: those re-reads count as traffic,
+# charged at HBM bandwidth (an upper bound: the Infinity Cache serves most of them).
+NORM_L2_PARTITIONS = 8
+
+
+def _norm_chunks(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    return {"CH": -(-p["D"] // c.get("BLOCK_D", WHOLE_ROW))}
+
+
+def _norm_rereads(row_bytes: Callable[[Problem], float]) -> Callable[[Problem, int, Problem], float]:
+    def extra(p: Problem, m: int, d: Problem) -> float:
+        return m * (min(int(d.get("CH", 1)), NORM_L2_PARTITIONS) - 1) * row_bytes(p)
+    return extra
+
+
 MODELS += [
     ProblemModel("rmsnorm", ("D",), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
                  bytes_fn=_rows("D", lambda p: p["D"] * 4, lambda p: p["D"] * 2),
-                 flops_fn=lambda p, m: 4.0 * m * p["D"]),
+                 flops_fn=lambda p, m: 4.0 * m * p["D"], derived=_norm_chunks,
+                 extra_bytes_fn=_norm_rereads(lambda p: p["D"] * 2)),
     ProblemModel("rmsnorm_add", ("D",), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
                  bytes_fn=_rows("D", lambda p: p["D"] * 8, lambda p: p["D"] * 2),
-                 flops_fn=lambda p, m: 5.0 * m * p["D"]),
+                 flops_fn=lambda p, m: 5.0 * m * p["D"], derived=_norm_chunks,
+                 extra_bytes_fn=_norm_rereads(lambda p: p["D"] * 4)),
     ProblemModel("silu_mul", ("I",), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
                  bytes_fn=_rows("I", lambda p: p["I"] * 6), flops_fn=lambda p, m: 6.0 * m * p["I"]),
     ProblemModel("rope_*", ("H", "R"), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
@@ -456,7 +476,8 @@ MODELS += [
                  flops_fn=lambda p, m: (p["TOPK"] + 1.0) * m * p["D"], derived=_topk_derived),
     ProblemModel("rmsnorm_add_quant", ("D",), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
                  bytes_fn=_rows("D", lambda p: p["D"] * (2 + 4 + 2 + 1) + 4, lambda p: p["D"] * 2),
-                 flops_fn=lambda p, m: 9.0 * m * p["D"]),
+                 flops_fn=lambda p, m: 9.0 * m * p["D"], derived=_norm_chunks,
+                 extra_bytes_fn=_norm_rereads(lambda p: p["D"] * 4)),
     ProblemModel("moe_sum", ("H", "TOPK"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
                  bytes_fn=_rows("H", lambda p: p["H"] * 4 * (p["TOPK"] + 1)), flops_fn=lambda p, m: m * p["H"] * p["TOPK"]),
     ProblemModel("mla_decode_combine", ("QL", "H", "DL"), m_block=None, peak_dtype="f32", loop_dim=None,

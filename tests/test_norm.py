@@ -36,6 +36,20 @@ def test_rmsnorm_residual_returns_both() -> None:
     assert y.shape == x.shape and r.shape == x.shape
 
 
+def test_rmsnorm_residual_strided_view() -> None:
+    """A residual read through a view of a wider buffer (rows with a stride): the sum is exact and
+    the buffer is left as it was (the new residual is a tensor of its own)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 48, generator=g).bfloat16()
+    buf = torch.randn(4, 80, generator=g).bfloat16()
+    buf_before = buf.clone()
+    w = (torch.rand(48, generator=g) + 0.5).bfloat16()
+    y, r = norm.rms_norm(x, w, 1e-6, residual=buf[:, 16:64], config={"BLOCK_D": 16})
+    y_ref, r_ref = norm.rmsnorm_add_ref(x, buf[:, 16:64], w, 1e-6)
+    assert torch.equal(r, r_ref) and torch.equal(buf, buf_before)
+    torch.testing.assert_close(y.float(), y_ref.float(), **BF16_TOL)
+
+
 def test_rmsnorm_kernel_writes_every_row() -> None:
     x = torch.randn(4, 32).bfloat16()
     w = torch.randn(32).bfloat16()
@@ -62,6 +76,59 @@ def test_silu_mul_kernel_poisoned_and_checks() -> None:
         norm.silu_and_mul(torch.randn(2, 5).bfloat16())
 
 
+def _run_norm_kernel(name: str, x, res, w, block_d: int) -> list[torch.Tensor]:
+    """Every output of one norm kernel at BLOCK_D=block_d, into poisoned buffers."""
+    m, d = x.shape
+    y = poisoned((m, d), torch.bfloat16)
+    cfg = {"BLOCK_D": block_d}
+    if name == "rmsnorm":
+        norm.rmsnorm(x, w, y, 1e-6, config=cfg)
+        return [y]
+    if name == "rmsnorm_add":
+        r = poisoned((m, d), torch.bfloat16)
+        norm.rmsnorm_add(x, res, w, y, r, 1e-6, config=cfg)
+        return [y, r]
+    q, s = poisoned((m, d), torch.int8), poisoned((m,), torch.float32)
+    if name == "rmsnorm_quant":
+        norm.rmsnorm_quant(x, w, y, q, s, 1e-6, config=cfg)
+        return [y, q, s]
+    r = poisoned((m, d), torch.bfloat16)
+    norm.rmsnorm_add_quant(x, res, w, y, q, s, r, 1e-6, config=cfg)
+    return [y, q, s, r]
+
+
+@pytest.mark.parametrize("name", ["rmsnorm", "rmsnorm_add", "rmsnorm_quant", "rmsnorm_add_quant"])
+@pytest.mark.parametrize("d", [48, 130])
+def test_norm_chunks_change_no_bit(name: str, d: int) -> None:
+    """One program per (row, BLOCK_D chunk): every chunk size gives the bits of the row-wide kernel
+    (each program reduces over the whole row), a ragged last chunk included; `res` is only read."""
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(3, d, generator=g) * 3).bfloat16()
+    res = torch.randn(3, d, generator=g).bfloat16()
+    res_before = res.clone()
+    w = (torch.rand(d, generator=g) + 0.5).bfloat16()
+    whole = _run_norm_kernel(name, x, res, w, norm.WHOLE_ROW)
+    assert all(not t.isnan().any() and not (t == -123).all(-1).any() for t in whole)
+    y_ref, r_ref = norm.rmsnorm_add_ref(x, res, w, 1e-6) if "add" in name else (norm.rmsnorm_ref(x, w, 1e-6), None)
+    torch.testing.assert_close(whole[0].float(), y_ref.float(), **BF16_TOL)
+    if r_ref is not None:
+        assert torch.equal(whole[-1], r_ref)
+    for bd in (16, 32, 64):
+        got = _run_norm_kernel(name, x, res, w, bd)
+        for a, b in zip(got, whole):
+            assert torch.equal(a, b), f"BLOCK_D={bd} changed {name}'s output"
+    assert torch.equal(res, res_before)
+
+
+def test_norm_chunk_rule() -> None:
+    """A chunk wider than the (padded) row is refused by name, except the row-wide default."""
+    from kdsl.errors import ConfigError
+
+    x = torch.randn(2, 48).bfloat16()
+    with pytest.raises(ConfigError, match="BLOCK_D"):
+        norm.rmsnorm(x, torch.randn(48).bfloat16(), torch.empty_like(x), 1e-6, config={"BLOCK_D": 128})
+
+
 def test_norm_bad_weight() -> None:
     with pytest.raises(ValueError, match="weight"):
         norm.rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(7).bfloat16())
@@ -77,6 +144,8 @@ def test_aot_small_ops(arch: str) -> None:
     for k in (norm.rmsnorm, norm.rmsnorm_add, norm.silu_mul):
         r = aot.check(k, arch)
         assert r.spills == 0
+    r = aot.check(norm.rmsnorm_add, arch, config={"BLOCK_D": 1024})  # the chunked form
+    assert r.spills == 0
 
 
 # --- kdsl extension used by these ops: reductions, sigmoid and small (mul+sum) dots run in the

@@ -39,9 +39,9 @@ def _check(q, s, y, q_ref, s_ref, y_ref):
 def test_rmsnorm_add_quant_kernel(m, d, seed):
     x, res, w = _data(m, d, seed)
     q_ref, s_ref, y_ref, r_ref = norm.rms_norm_quant_ref(x, w, 1e-6, res)
-    r = res.clone()
+    r = poisoned((m, d), torch.bfloat16)
     y, q, s = poisoned((m, d), torch.bfloat16), poisoned((m, d), torch.int8), poisoned((m,), torch.float32)
-    norm.rmsnorm_add_quant(x, r, w, y, q, s, 1e-6)
+    norm.rmsnorm_add_quant(x, res, w, y, q, s, r, 1e-6)
     assert torch.equal(r, r_ref)
     assert not y.isnan().any() and not s.isnan().any() and (q != -123).any(-1).all()
     _check(q, s, y, q_ref, s_ref, y_ref)
@@ -57,7 +57,7 @@ def test_rmsnorm_quant_kernel(m, d, seed):
     _check(q, s, y, q_ref, s_ref, y_ref)
 
 
-def test_rms_norm_quant_wrapper_shapes_and_inplace():
+def test_rms_norm_quant_wrapper_shapes_and_residual():
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2, 3, 64, generator=g).bfloat16()
     res = torch.randn(2, 3, 64, generator=g).bfloat16()
@@ -65,11 +65,11 @@ def test_rms_norm_quant_wrapper_shapes_and_inplace():
     q, s, y, r = norm.rms_norm_quant(x, w, 1e-6, residual=res)
     q_ref, s_ref, y_ref, r_ref = norm.rms_norm_quant_ref(x, w, 1e-6, res)
     assert q.shape == x.shape and q.dtype == torch.int8 and s.shape == (2, 3) and y.shape == x.shape
-    assert torch.equal(r, r_ref) and not torch.equal(res, r_ref)  # residual untouched by default
+    assert torch.equal(r, r_ref) and not torch.equal(res, r_ref)  # the sum is a new tensor, residual only read
     _check(q, s, y, q_ref, s_ref, y_ref)
-    res2 = res.clone()
-    q2, s2, y2, r2 = norm.rms_norm_quant(x, w, 1e-6, residual=res2, inplace=True)
-    assert r2 is res2 and torch.equal(res2, r_ref) and torch.equal(q2, q) and torch.equal(s2, s)
+    y4, r4 = norm.rms_norm(x, w, 1e-6, residual=res)  # fused == unfused: rms_norm then the quant
+    q4, s4 = quant_per_token_int8_ref(y4.reshape(-1, 64))
+    assert torch.equal(y4, y) and torch.equal(r4, r) and torch.equal(q4, q.reshape(-1, 64)) and torch.equal(s4, s.reshape(-1))
     q3, s3, y3, r3 = norm.rms_norm_quant(x, w, 1e-6)
     assert r3 is None and q3.shape == x.shape
     _check(q3, s3, y3, *norm.rms_norm_quant_ref(x, w, 1e-6)[:3])
@@ -81,8 +81,6 @@ def test_rms_norm_quant_errors():
         norm.rms_norm_quant(x, torch.randn(7).bfloat16())
     with pytest.raises(TypeError, match="bfloat16"):
         norm.rms_norm_quant(x.float(), torch.randn(8).bfloat16())
-    with pytest.raises(ValueError, match="inplace"):
-        norm.rms_norm_quant(x, torch.randn(8).bfloat16(), inplace=True)
     with pytest.raises(ValueError, match="residual"):
         norm.rms_norm_quant(x, torch.randn(8).bfloat16(), residual=torch.randn(2, 4).bfloat16())
 
