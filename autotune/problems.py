@@ -69,6 +69,9 @@ class ProblemModel:
     # reduces like the q_len-1 decode: ops call invariant_config with it); the tuner then takes that
     # file's numerics as given and tunes only the launch keys
     numerics_ref: Callable[[Problem], Problem] | None = None
+    # tunables of this kernel that change no bit either (LAUNCH_ONLY_KEYS are the common ones), e.g.
+    # the chunk of a norm whose every program reduces the whole row
+    launch_keys: tuple[str, ...] = ()
 
 
 # The context length sets the bytes and the split count of decode attention but is no part of the
@@ -146,6 +149,40 @@ def _generic_bytes(kernel: Any) -> Callable[[Problem, int], float]:
         return total
 
     return nbytes
+
+
+_LANE_SUMS: dict[tuple, bool] = {}
+
+
+def lane_sums(kernel: Any, config: dict[str, Any]) -> bool:
+    """Whether `config` makes `kernel` add floats across a tile axis (kdsl.passes.lane_sums), traced
+    once per (kernel, config) at the kernel's example dims; True when it cannot be traced (the safe
+    answer: num_warps then counts as a numerics key)."""
+    from kdsl.targets import get_target
+
+    key = (kernel.name, tuple(sorted((k, v) for k, v in config.items() if k not in LAUNCH_ONLY_KEYS)))
+    if key not in _LANE_SUMS:
+        try:
+            ex = dict(kernel.example or {})
+            tgt = get_target("interpret")
+            names = set(kernel.tunables(tgt, {d: ex[d] for d in kernel.static if d in ex}))
+            sp = kernel.specialize({k: v for k, v in config.items() if k in names}, tgt,
+                                   {d: ex[d] for d in kernel.static if d in ex})
+            _LANE_SUMS[key] = bool(sp.lane_sums)
+        except Exception:  # noqa: BLE001 - an untraceable config: assume the worst
+            _LANE_SUMS[key] = True
+    return _LANE_SUMS[key]
+
+
+def launch_only_keys(kernel: Any, config: dict[str, Any]) -> frozenset[str]:
+    """The keys of `config` that change no bit of `kernel`'s results: LAUNCH_ONLY_KEYS and the
+    model's `launch_keys`, less num_warps where the config adds floats across lanes (a reduction's
+    order follows the layout num_warps sets). A batch-invariant launch takes all others from its
+    reference entry."""
+    keys = LAUNCH_ONLY_KEYS | frozenset(model_for(kernel).launch_keys)
+    if isinstance(kernel, str) or not lane_sums(kernel, config):
+        return keys
+    return keys - {"num_warps"}
 
 
 def model_for(kernel: Any) -> ProblemModel:

@@ -21,7 +21,7 @@ from kdsl.targets import Target, get_target
 
 from . import costmodel
 from .buckets import ANY, bucket_for, bucket_m, bucket_order, parse_bucket
-from .problems import (LAUNCH_ONLY_KEYS, MODEL_DIMS, extra_bytes, full_dims, loop_iters, model_for, problem_key, required_dims,
+from .problems import (LAUNCH_ONLY_KEYS, MODEL_DIMS, launch_only_keys, extra_bytes, full_dims, loop_iters, model_for, problem_key, required_dims,
                        shared_bytes, strip_m)
 from .space import build
 from .store import SCHEMA_VERSION, file_path, helpers_hash, kernel_helpers, kernel_source_hash, load_file, save_file
@@ -65,9 +65,11 @@ def _cfg_key(cfg: dict[str, Any]) -> tuple:
     return tuple(sorted(cfg.items()))
 
 
-def _numerics(cfg: dict[str, Any]) -> tuple:
-    """The part of a config that sets a float kernel's rounding (all but LAUNCH_ONLY_KEYS)."""
-    return tuple(sorted((k, v) for k, v in cfg.items() if k not in LAUNCH_ONLY_KEYS))
+def _numerics(cfg: dict[str, Any], kernel: Any = None) -> tuple:
+    """The part of a config that sets a float kernel's rounding: all but its launch-only keys
+    (problems.launch_only_keys; LAUNCH_ONLY_KEYS without a kernel)."""
+    keys = LAUNCH_ONLY_KEYS if kernel is None else launch_only_keys(kernel, cfg)
+    return tuple(sorted((k, v) for k, v in cfg.items() if k not in keys))
 
 
 def _shared_numerics(kernel: Any, target: Target, prob: dict[str, Any], buckets: list[Any],
@@ -83,7 +85,7 @@ def _shared_numerics(kernel: Any, target: Target, prob: dict[str, Any], buckets:
         rep = reports.get((ck, cm))
         if rep is None:
             continue
-        nk = _numerics(c)
+        nk = _numerics(c, kernel)
         for b in buckets:
             if compile_m(kernel, prob, bucket_m(b), target) != cm:
                 continue
@@ -100,11 +102,12 @@ def _shared_numerics(kernel: Any, target: Target, prob: dict[str, Any], buckets:
     return min(total, key=lambda nk: (total[nk], per[nk][first], nk))
 
 
-def with_numerics(candidates: list[dict[str, Any]], numerics: tuple) -> list[dict[str, Any]]:
+def with_numerics(candidates: list[dict[str, Any]], numerics: tuple, kernel: Any = None) -> list[dict[str, Any]]:
     """Each candidate's launch keys with the given numerics keys, without repeats, in order."""
     seen, out = set(), []
     for c in candidates:
-        c2 = {**{k: v for k, v in c.items() if k in LAUNCH_ONLY_KEYS}, **dict(numerics)}
+        keys = LAUNCH_ONLY_KEYS if kernel is None else launch_only_keys(kernel, dict(numerics))
+        c2 = {**{k: v for k, v in c.items() if k in keys}, **dict(numerics)}
         if _cfg_key(c2) not in seen:
             seen.add(_cfg_key(c2))
             out.append(c2)
@@ -131,7 +134,7 @@ def _reference_numerics(kernel: Any, target: Target, prob: dict[str, Any], pm: A
         return None
     entries = load_file(path).get("entries", [])
     first = next((e for e in entries if str(e.get("bucket")) == "1"), entries[0] if entries else None)
-    return _numerics(first["config"]) if first else None
+    return _numerics(first["config"], kernel) if first else None
 
 
 def target_identity(target: Target, measured: bool) -> dict[str, Any]:
@@ -286,7 +289,7 @@ def _launch_polish(kernel: Any, target: Target, prob: dict[str, Any], scored_pro
     opts = option_domains(target)
     # a shared tile keeps its numerics: only the launch-only options may vary (kpack or the
     # matrix instruction shape can change the rounding)
-    names = [n for n in opts if shared is None or n in LAUNCH_ONLY_KEYS]
+    names = [n for n in opts if shared is None or n in launch_only_keys(kernel, dict(shared))]
     new: dict[tuple, tuple[dict, dict]] = {}
     for b in buckets:
         m = bucket_m(b)
@@ -294,7 +297,7 @@ def _launch_polish(kernel: Any, target: Target, prob: dict[str, Any], scored_pro
         best = None
         for (ck, jm), (c, _) in jobs.items():
             rep = reports.get((ck, jm))
-            if jm != cm or rep is None or not (spaces[b].admits(c) if shared is None else _numerics(c) == shared):
+            if jm != cm or rep is None or not (spaces[b].admits(c) if shared is None else _numerics(c, kernel) == shared):
                 continue
             rk = costmodel.rank_key(score(kernel, target, scored_prob, m, c, rep))
             if math.isfinite(rk[1]) and (best is None or rk < best[0]):
@@ -377,7 +380,7 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     forced = _reference_numerics(kernel, target, prob, pm, out) if pm.shared_numerics else None
     if forced is not None:  # every candidate takes the reference tile; only launch keys vary
         for b in buckets:
-            spaces[b].candidates[:] = with_numerics(spaces[b].candidates, forced)
+            spaces[b].candidates[:] = with_numerics(spaces[b].candidates, forced, kernel)
     # unique compiles: (config, signature class of M)
     # round robin over the buckets, so a budget stop still leaves every bucket candidates
     jobs: dict[tuple, tuple[dict, dict]] = {}
@@ -402,7 +405,7 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     for b in buckets:
         m = bucket_m(b)
         if shared is not None:        # one numerics tile for every bucket, launch keys per bucket
-            pool = [c for c, _ in jobs.values() if _numerics(c) == shared]
+            pool = [c for c, _ in jobs.values() if _numerics(c, kernel) == shared]
         scored = []
         # its own candidates, plus those compiled for other buckets that lie in its space
         if shared is None:

@@ -21,7 +21,7 @@ from .emit import emit_module
 from .errors import ConfigError, LaunchError
 from .ir import GridEntry, OperandHandle, Param, TraceContext, TunableSpec, Value, tracing
 from .options import backend_options, split_config
-from .passes import clamped_dims, constant_indices, run_passes
+from .passes import clamped_dims, constant_indices, lane_sums, run_passes
 from .targets import Target, current_target, get_target, resolve_dtype
 
 REGISTRY: dict[str, "Kernel"] = {}
@@ -80,6 +80,7 @@ class Specialization:
     wide: dict[str, tuple[int, ...]] = field(default_factory=dict)  # operand -> dims with 64-bit offset terms
     clamped: frozenset = frozenset()  # (operand, dim) read through a clamped gathered index
     constant: tuple = ()  # ((operand, dim), index): the largest constant index used along that dim
+    lane_sums: bool = False  # float sums across a tile axis: num_warps sets their order (passes.lane_sums)
     _fn: Any = None
 
     @property
@@ -291,7 +292,7 @@ class Kernel:
         sp = Specialization(self, target, {**full_tun, **opts}, full_tun, opts, static, src, "", list(c.grid),
                             list(c.params), stats, _param_sources(c.params), wide=wide,
                             clamped=frozenset(clamped_dims(c.root)),
-                            constant=tuple(sorted(constant_indices(c.root).items())))
+                            constant=tuple(sorted(constant_indices(c.root).items())), lane_sums=lane_sums(c.root))
         self._specs[key] = sp
         return sp
 

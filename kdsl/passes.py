@@ -265,6 +265,18 @@ def constant_indices(root: Block) -> dict[tuple[str, str], int]:
     return out
 
 
+def lane_sums(root: Block) -> bool:
+    """Whether the kernel adds floats across a tile axis (a float `kd.sum` over an axis of more than
+    one element, or a float dot lowered to multiply-and-sum for tiles under 16): Triton's reduction
+    tree follows the layout, which num_warps sets, so there num_warps changes the bits."""
+    for n in walk(root):
+        if n.op == "reduce" and n.a.op == "sum" and n.a.dtype.is_float and n.a.axis.size > 1:
+            return True
+        if n.op == "dot" and n.a.form == "mulsum" and n.a.dtype.is_float and n.a.k.size > 1:
+            return True
+    return False
+
+
 PACKED_LOADS = {"load_int4": (8, "words"), "load_fp4": (T.FP4_PER_BYTE, "bytes")}  # values per element
 
 

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 import torch
 
-from autotune.problems import LAUNCH_ONLY_KEYS  # keys a batch-invariant launch keeps from its own bucket
+from autotune.problems import launch_only_keys  # keys a batch-invariant launch keeps from its own bucket
 from kdsl.targets import current_target
 
 _VALIDATE = False
@@ -56,7 +56,8 @@ def invariant_config(kernel: Any, problem: dict[str, int], m: int, config: dict[
                      ref_problem: dict[str, int] | None = None, arch: str | None = None) -> dict[str, Any]:
     """The config of a batch-invariant launch: every numerics-relevant key from the reference
     config (the tuned M=1 entry of `ref_problem`, e.g. the q_len-1 decode problem, or `problem`),
-    the launch-only keys (warps, stages, occupancy) from this launch's own bucket. A key the
+    the launch-only keys (stages, occupancy; warps unless the reference config adds floats across
+    lanes: autotune.problems.launch_only_keys) from this launch's own bucket. A key the
     reference does not set is removed so the kernel default applies to every batch alike. An
     explicit `config` is used as given (the caller owns its numerics)."""
     if config is not None:
@@ -68,8 +69,9 @@ def invariant_config(kernel: Any, problem: dict[str, int], m: int, config: dict[
         return lookup_config(kernel, arch, problem, max(m, 1))
     own = lookup_config(kernel, arch, problem, max(m, 1))
     ref = lookup_config(kernel, arch, ref_problem or problem, 1)
-    out = {k: v for k, v in own.items() if k in LAUNCH_ONLY_KEYS}
-    out.update({k: v for k, v in ref.items() if k not in LAUNCH_ONLY_KEYS})
+    keys = launch_only_keys(kernel, ref)
+    out = {k: v for k, v in own.items() if k in keys}
+    out.update({k: v for k, v in ref.items() if k not in keys})
     return out
 
 

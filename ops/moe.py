@@ -1122,7 +1122,7 @@ def combine_norm(partial: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor 
         return y
     out = torch.empty_like(res)
     K = ids.shape[1]
-    cfg = config_for(moe_combine_norm, {"D": H, "TOPK": K}, M, config)
+    cfg = invariant_config(moe_combine_norm, {"D": H, "TOPK": K}, M, config)  # its row sum follows num_warps
     if M:
         moe_combine_norm(partial, ids.reshape(-1), res if shared is None else shared, res, weight, out, K, n_experts,
                          int(shared is not None), float(eps), config=cfg)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import kdsl as kd
-from ops._common import check_backend, check_tensor, config_for
+from ops._common import check_backend, check_tensor, config_for, invariant_config
 
 
 # A row's outputs are split over BLOCK_D-wide chunks, one program per (row, chunk): at decode a
@@ -136,12 +136,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
     M, D = x2.shape
     out = torch.empty_like(x2)
     if residual is None:
-        cfg = config_for(rmsnorm, {"M": M, "D": D}, M, config)
+        cfg = invariant_config(rmsnorm, {"D": D}, M, config)
         if M:
             rmsnorm(x2, weight, out, float(eps), config=cfg)
         return out.view(x.shape)
     r_out = torch.empty_like(x2)
-    cfg = config_for(rmsnorm_add, {"M": M, "D": D}, M, config)
+    cfg = invariant_config(rmsnorm_add, {"D": D}, M, config)
     if M:
         rmsnorm_add(x2, _rows(residual), weight, out, r_out, float(eps), config=cfg)
     return out.view(x.shape), r_out.view(x.shape)
@@ -254,12 +254,12 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, res
     s = torch.empty(M, dtype=torch.float32, device=x.device)
     lead = x.shape[:-1]
     if residual is None:
-        cfg = config_for(rmsnorm_quant, {"M": M, "D": D}, M, config)
+        cfg = invariant_config(rmsnorm_quant, {"D": D}, M, config)
         if M:
             rmsnorm_quant(x2, weight, out, q, s, float(eps), config=cfg)
         return q.view(x.shape), s.view(lead), out.view(x.shape), None
     r_out = torch.empty_like(x2)
-    cfg = config_for(rmsnorm_add_quant, {"M": M, "D": D}, M, config)
+    cfg = invariant_config(rmsnorm_add_quant, {"D": D}, M, config)
     if M:
         rmsnorm_add_quant(x2, _rows(residual), weight, out, q, s, r_out, float(eps), config=cfg)
     return q.view(x.shape), s.view(lead), out.view(x.shape), r_out.view(x.shape)

@@ -367,9 +367,9 @@ def test_shared_numerics_picks_one_tile_for_every_bucket(monkeypatch):
     and each bucket keeps its own launch-only keys."""
     from autotune import search
 
-    small = {"BLOCK_M": 1, "BLOCK_K": 64}           # best at M=1, 4x slower at M=8 (re-reads per row)
-    wide = {"BLOCK_M": 16, "BLOCK_K": 64}           # 10% slower at M=1, flat after
-    times = {(1, 1): 10.0, (1, 8): 40.0, (16, 1): 11.0, (16, 8): 11.5}
+    small = {"BLOCK_M": 16, "BLOCK_K": 64}           # best at M=1, 4x slower at M=8 (re-reads per row)
+    wide = {"BLOCK_M": 32, "BLOCK_K": 64}           # 10% slower at M=1, flat after
+    times = {(16, 1): 10.0, (16, 8): 40.0, (32, 1): 11.0, (32, 8): 11.5}
     cfgs = [{**small, "num_warps": 4}, {**wide, "num_warps": 4}, {**wide, "num_warps": 8}]
 
     def fake_score(kernel, target, prob, m, c, rep):
@@ -382,7 +382,7 @@ def test_shared_numerics_picks_one_tile_for_every_bucket(monkeypatch):
     reports = {k: {"ok": True} for k in jobs}
     nk = search._shared_numerics(K, get_target("gfx942"), PROB, [1, 8], jobs, reports)
     assert dict(nk) == wide                          # 10/10 + 40/11 loses to 11/10 + 11/11
-    times[(1, 8)] = 12.0                             # now the small tile costs little at M=8: it wins
+    times[(16, 8)] = 12.0                             # now the small tile costs little at M=8: it wins
     assert dict(search._shared_numerics(K, get_target("gfx942"), PROB, [1, 8], jobs, reports)) == small
     assert search._numerics({"BLOCK_M": 16, "num_warps": 8, "num_stages": 2}) == (("BLOCK_M", 16),)
 
@@ -416,6 +416,30 @@ def test_launch_polish_compiles_every_option_combination_of_the_winning_tile(mon
     new = search._launch_polish(K, t, PROB, PROB, [1, 8], spaces, jobs, reports, shared)
     assert {search._numerics(c) for c, _ in new.values()} == {shared}   # kpack is not varied
     assert len(new) == len(opts["num_warps"]) * len(opts["num_stages"]) * len(opts["waves_per_eu"]) - 1
+
+
+def test_num_warps_is_a_numerics_key_where_floats_are_summed_across_lanes(tmp_path, monkeypatch):
+    """A float sum over a tile axis reduces in the order of its layout, which num_warps sets: for
+    such a config num_warps is no launch-only key, so a batch-invariant launch takes it from the
+    reference entry with the tile; an int GEMM (exact) or an MFMA tile keeps its bucket's warps."""
+    from autotune import search
+    from autotune.problems import LAUNCH_ONLY_KEYS, lane_sums, launch_only_keys
+    from ops import _common, norm
+    from ops.gemm import gemm_bf16_kernel
+    from ops.mla_fused import mla_combine_uv
+
+    assert lane_sums(norm.rmsnorm_add, {}) and lane_sums(mla_combine_uv, {"BLOCK_S": 8})
+    assert not lane_sums(K, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64})         # int: exact
+    assert not lane_sums(gemm_bf16_kernel, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64})  # MFMA tile
+    assert lane_sums(gemm_bf16_kernel, {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 64})       # multiply + sum
+    assert launch_only_keys(K, {}) >= LAUNCH_ONLY_KEYS
+    assert "num_warps" not in launch_only_keys(norm.rmsnorm_add, {})
+    assert "BLOCK_D" in launch_only_keys(norm.rmsnorm_add, {})                   # the model's own key
+    assert search._numerics({"BLOCK_D": 256, "num_warps": 8}, norm.rmsnorm_add) == (("num_warps", 8),)
+    entries = {1: {"BLOCK_D": 256, "num_warps": 4, "num_stages": 1}, 16: {"BLOCK_D": 1024, "num_warps": 8, "num_stages": 2}}
+    monkeypatch.setattr("autotune.lookup_config", lambda k, a, p, m: dict(entries[1 if m < 16 else 16]))
+    cfg = _common.invariant_config(norm.rmsnorm_add, {"D": 7168}, 16, None, arch="gfx942")
+    assert cfg == {"BLOCK_D": 1024, "num_warps": 4, "num_stages": 2}
 
 
 def test_candidates_compile_at_the_bucket_m_when_m_sets_a_static_dim():

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ops import gemm, mha, mla, moe
-from ops._common import LAUNCH_ONLY_KEYS, invariant_config
+from autotune.problems import launch_only_keys
+from ops._common import invariant_config
 from ops.packing import pack_int4
 
 PLANS = {"gfx942": 304, "gfx950": 256, "sm90": 132}
@@ -21,8 +22,10 @@ CTX = 200  # two 128-token splits (SPLIT_TOKENS 128 keeps the interpreter runs s
 ST = {"SPLIT_TOKENS": 128}
 
 
-def _numerics(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in LAUNCH_ONLY_KEYS}
+def _numerics(cfg: dict, kernel) -> dict:
+    """The keys that set the kernel's bits (num_warps too where it sums floats across lanes)."""
+    keys = launch_only_keys(kernel, cfg)
+    return {k: v for k, v in cfg.items() if k not in keys}
 
 
 def _mla_case(lens, seed=0, mp=None):
@@ -44,15 +47,15 @@ def test_tuned_configs_reduce_to_one_numerics_choice(arch: str) -> None:
 
     p1 = {"QL": 1, "H": 64, "DL": 512, "DR": 64, "PS": 64}
     p4 = {**p1, "QL": 4}
-    seen = {str(_numerics(invariant_config(mla.mla_decode_split, p, m, None, p1, arch=arch)))
+    seen = {str(_numerics(invariant_config(mla.mla_decode_split, p, m, None, p1, arch=arch), mla.mla_decode_split))
             for p in (p1, p4) for m in (1, 4, 8, 32, 256)}
     assert len(seen) == 1
     for h in (8, 64):
-        raw = {str(_numerics(lookup_config(mla.mla_decode_split, arch, {**p, "H": h}, m)))
+        raw = {str(_numerics(lookup_config(mla.mla_decode_split, arch, {**p, "H": h}, m), mla.mla_decode_split))
                for p in (p1, p4) for m in (1, 4, 32, 128)}
         assert raw == seen if h == 64 else len(raw) == 1
     g = {"N": 1536, "K": 7168}  # a float-accumulating GEMM: one choice
-    assert len({str(_numerics(invariant_config(gemm.gemm_bf16_kernel, g, m, None, arch=arch)))
+    assert len({str(_numerics(invariant_config(gemm.gemm_bf16_kernel, g, m, None, arch=arch), gemm.gemm_bf16_kernel))
                 for m in (1, 8, 64, 256)}) == 1
     g4 = {"N": 4096, "K": 7168}  # integer accumulation is exact: the tuned per-bucket configs stay
     for m in (1, 64):
@@ -61,7 +64,7 @@ def test_tuned_configs_reduce_to_one_numerics_choice(arch: str) -> None:
     s2 = {"E": 384, "H": 7168, "I": 2048, "TOPK": 8}
     c2 = [moe._stage_configs(None, "w4a8", 384, 7168, 2048, 8, m, True)[1] for m in (1, 64)] if arch == "gfx942" else []
     assert all(c["REDUCE"] == "partial" for c in c2)
-    assert len({str(_numerics(invariant_config(moe.moe_stage2_w4a16, s2, m, None, arch=arch))) for m in (1, 64)}) == 1
+    assert len({str(_numerics(invariant_config(moe.moe_stage2_w4a16, s2, m, None, arch=arch), moe.moe_stage2_w4a16)) for m in (1, 64)}) == 1
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
@@ -74,8 +77,8 @@ def test_combine_uv_tuned_files_share_one_split_tile(arch: str) -> None:
     for h in (8, 64):
         p = {"H": h, "DL": 512, "V": 128}
         ms = (1, 2, 8, 64, 128)
-        raw = {str(_numerics(lookup_config(mla_combine_uv, arch, p, m))) for m in ms}
-        inv = {str(_numerics(invariant_config(mla_combine_uv, p, m, None, arch=arch))) for m in ms}
+        raw = {str(_numerics(lookup_config(mla_combine_uv, arch, p, m), mla_combine_uv)) for m in ms}
+        inv = {str(_numerics(invariant_config(mla_combine_uv, p, m, None, arch=arch), mla_combine_uv)) for m in ms}
         assert len(raw) == 1 and raw == inv and "BLOCK_S" in raw.pop()
 
 
@@ -205,7 +208,7 @@ def test_mla_front_split_k_rows_batch1_equal_batch8(arch: str) -> None:
 
     cs = [trim(invariant_config(gemm.gemm_bf16_splitk_kernel, {"N": 2112, "K": 7168}, m, None, arch=arch))
           for m in (1, 2, 8, 32, 128)]
-    assert all(_numerics(c) == _numerics(cs[0]) for c in cs) and cs[0]["SPLIT_K"] > 1
+    assert all(_numerics(c, gemm.gemm_bf16_splitk_kernel) == _numerics(cs[0], gemm.gemm_bf16_splitk_kernel) for c in cs) and cs[0]["SPLIT_K"] > 1
     cfg = cs[0]
     g = torch.Generator().manual_seed(7)
     M, QL, C, R, HQ, NOPE = 8, 32, 32, 8, 2, 16
