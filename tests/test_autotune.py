@@ -471,11 +471,12 @@ def test_verify_problem_tunes_with_the_decode_files_numerics(tmp_path):
     _write(str(tmp_path), doc, store.file_name(K_, p1))
     assert search._reference_numerics(K_, t, p1, pm, str(tmp_path)) is None        # its own reference
     forced = search._reference_numerics(K_, t, {**p1, "QL": 4}, pm, str(tmp_path))
-    assert dict(forced) == num                                                      # the M=1 entry's
+    # the M=1 entry's keys, num_warps included: the split kernel's softmax sums follow the warps
+    assert dict(forced) == {**num, "num_warps": 8}
     cands = [{**num, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}, {**num, "num_warps": 4, "num_stages": 2},
              {**num, "SPLIT_TOKENS": 256, "num_warps": 8, "num_stages": 1}]
-    out = search.with_numerics(cands, forced)
-    assert out == [{**num, "num_warps": 4, "num_stages": 2}, {**num, "num_warps": 8, "num_stages": 1}]
+    out = search.with_numerics(cands, forced, K_)
+    assert out == [{**num, "num_warps": 8, "num_stages": 2}, {**num, "num_warps": 8, "num_stages": 1}]
     from autotune.__main__ import _takes_numerics_from_another as later  # tune-model tunes q_len 1 first
     probs = [{**p1, "QL": 4}, p1]
     assert sorted(probs, key=lambda p: later(K_, p)) == [p1, {**p1, "QL": 4}]
