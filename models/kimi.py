@@ -109,6 +109,7 @@ class _MoE:
         self.comm: Comm = comm if comm is not None else single()
         self.local = self.comm.plan.expert_range(E)
         self.shared: Optional[MLP] = None
+        self.gate_shared: Optional[torch.Tensor] = None
         if cfg.n_shared_experts:
             s = p + "shared_experts."
             self.shared = MLP(*(Linear(s + n, ck[s + n + ".weight"], backend, dtype, device)
@@ -131,6 +132,15 @@ class _MoE:
             if self.shared is not None and any(isinstance(l.raw, QuantLinear) for l in
                                                (self.shared.gate, self.shared.up, self.shared.down)):
                 raise NotImplementedError("triton MoE: quantized shared experts are not supported yet")
+            # the router rows stacked under the shared expert's gate|up rows (both read the normed
+            # rows): one split-K GEMM feeds the route kernel (its router columns) and the shared
+            # expert's down GEMM (the rest), so the decode step has no separate gate GEMM launch.
+            # The two keep views of the one stacked weight.
+            gu = self.shared.splitk_weights() if self.shared is not None else None
+            if gu is not None and gu.shape[1] == self.gate.shape[1]:
+                self.gate_shared = torch.cat([gu, self.gate], 0)
+                self.shared.gate_up.dense = self.gate_shared[:gu.shape[0]]
+                self.gate = self.gate_shared[gu.shape[0]:]
 
     def route(self, x: torch.Tensor, forced: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """noaux_tc routing in float32: top-k on sigmoid(scores) + bias, combine with unbiased scores
@@ -166,7 +176,8 @@ class _MoE:
         if trace is not None and trace.mode == "record":
             trace(ids)
 
-    def _routed_ids(self, xb: torch.Tensor, block_m: Optional[int] = None) -> tuple:
+    def _routed_ids(self, xb: torch.Tensor, block_m: Optional[int] = None,
+                    logits: Optional[torch.Tensor] = None) -> tuple:
         """Triton routing (or replayed ids): int32 ids in this rank's local expert numbering and f32
         weights. Expert parallel: an id of another rank's expert becomes -1, which the align kernels
         and the top-k sums treat as a no-op (no block, a partial row never read); the route kernel
@@ -174,7 +185,8 @@ class _MoE:
         replayed or recorded (global ids, mapped here). MXFP4 experts get a clamped id with weight
         0 instead. `block_m` (the experts' BLOCK_M): also the ids aligned for `fused_experts`
         (`route_align`: decode and verify route and align in one launch), returned third (None for
-        replayed or mapped ids: fused_experts aligns them)."""
+        replayed or mapped ids: fused_experts aligns them). `logits`: xb @ gate^T as split-K
+        partials already computed (the router columns of `gate_shared`'s GEMM)."""
         from ops.moe import MoEWeights, local_ids, route, route_align
 
         c = self.moe_cfg
@@ -187,7 +199,7 @@ class _MoE:
         if forced is None:
             args = (xb, self.gate, self.bias, c.top_k, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
             kw = dict(backend="triton", scoring_func=self.cfg.scoring_func,
-                      local=(self.local.start, len(self.local)) if in_kernel else None)
+                      local=(self.local.start, len(self.local)) if in_kernel else None, logits=logits)
             if block_m is not None and (in_kernel or not split):
                 ids, w, *aligned = route_align(*args, block_m=block_m, **kw)
             else:
@@ -215,8 +227,9 @@ class _MoE:
                     ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The MoE half of a decoder layer on triton, from the (all-reduced) attention output `a` and
         the residual stream `h` (only read) to (the next norm's output, the new residual stream):
-        rmsnorm_add(_quant) -> gate GEMM, route + align (one launch at 1-2 tokens) -> stage 1 -> stage 2
-        (partial rows) -> shared expert (split-K gate|up GEMM, then SiLU*up and down in one GEMM) -> at
+        rmsnorm_add(_quant) -> one split-K GEMM for the shared expert's gate|up and the router (its own
+        gate GEMM when the shared expert is not dense bf16), route + align (one launch at 1-2 tokens)
+        -> stage 1 -> stage 2 (partial rows) -> the shared expert's SiLU*up and down in one GEMM -> at
         world size 1 combine_norm (top-k sum
         in k order + shared + residual add + the next RMSNorm); at world size > 1 combine_rank (the
         rank's top-k sum + shared, bf16), the all-reduce, then the next norm's rmsnorm_add writing the
@@ -234,10 +247,21 @@ class _MoE:
         else:
             x, h = n2.add_norm(a, h)
             xq = None
-        ids, w, aligned = self._routed_ids(x, block_m=expert_block_m(self.experts, self.moe_cfg.top_k, x.shape[0]))
+        logits = shared_part = None
+        if self.gate_shared is not None:        # shared gate|up and router rows: one split-K GEMM
+            from ops.gemm import gemm_bf16_splitk
+
+            both = gemm_bf16_splitk(x, self.gate_shared, backend="triton")     # [S, T, 2I + E] f32
+            n_gu = self.gate_shared.shape[0] - self.gate.shape[0]
+            shared_part, logits = both[..., :n_gu], both[..., n_gu:]
+        ids, w, aligned = self._routed_ids(x, block_m=expert_block_m(self.experts, self.moe_cfg.top_k, x.shape[0]),
+                                           logits=logits)
         part = fused_experts(x, ids, w, self.experts, backend="triton", check_ids=False, xq=xq, partials=True,
                              aligned=aligned)
-        s = self.shared(x) if self.shared is not None else None
+        if shared_part is not None:
+            s = self.shared.down_of_partials(shared_part)
+        else:
+            s = self.shared(x) if self.shared is not None else None
         if self.comm.world == 1:
             y = combine_norm(part, ids, s, h, nxt.w, nxt.eps, len(self.local), backend="triton")
             return y, h

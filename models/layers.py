@@ -165,19 +165,34 @@ class MLP:
             for lin in (gate, up):              # the stacked copy replaces theirs on the device
                 lin.dense = lin.packed = lin.scale = None
 
+    def splitk_weights(self) -> Optional[torch.Tensor]:
+        """The stacked gate|up weight [2I, K] when the triton path runs the split-K gate|up GEMM and
+        `down_of_partials` (dense bf16 gate|up and down), else None."""
+        gu_w = self.gate_up.dense if self.gate_up is not None and self.backend == "triton" else None
+        dw = self.down.dense
+        if gu_w is None or gu_w.dtype != torch.bfloat16 or dw is None or dw.dtype != torch.bfloat16 \
+                or dw.shape[1] * 2 != gu_w.shape[0]:
+            return None
+        return gu_w
+
+    def down_of_partials(self, part: torch.Tensor) -> torch.Tensor:
+        """down(SiLU(gate) * up) [M, N] from the gate|up split-K partials [S, M, 2I] (any strides,
+        last dim contiguous: e.g. a view of a wider GEMM's partials): ops.swiglu.gemm_bf16_swiglu."""
+        from ops.swiglu import gemm_bf16_swiglu
+
+        return gemm_bf16_swiglu(part, self.down.dense, backend="triton")
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gu_w = self.gate_up.dense if self.gate_up is not None and self.backend == "triton" else None
         if gu_w is not None and gu_w.dtype == torch.bfloat16 and x.shape[-1] == gu_w.shape[1]:
             x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-            dw = self.down.dense
-            if dw is not None and dw.dtype == torch.bfloat16 and dw.shape[1] * 2 == gu_w.shape[0]:
+            if self.splitk_weights() is not None:
                 # dense bf16 gate|up and down: the gate|up GEMM split along K (enough programs at
                 # decode sizes), its partials added, SiLU(gate)*up applied and multiplied into down
                 # by one kernel: two launches
                 from ops.gemm import gemm_bf16_splitk
-                from ops.swiglu import gemm_bf16_swiglu
 
-                y = gemm_bf16_swiglu(gemm_bf16_splitk(x2, gu_w, backend="triton"), dw, backend="triton")
+                y = self.down_of_partials(gemm_bf16_splitk(x2, gu_w, backend="triton"))
                 return y.reshape(*x.shape[:-1], y.shape[-1])
             # a quantized down: SiLU(gate)*up in the gate|up GEMM's epilogue, then down
             from ops.gemm import gemm_bf16_silu_mul

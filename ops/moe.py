@@ -428,10 +428,20 @@ def _check_route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: i
     return M, H, E
 
 
-def _gate_partials(x: torch.Tensor, wg: torch.Tensor, config: dict, invariant: bool) -> torch.Tensor:
-    """The router logits as SPLIT partials [SPLIT, M, E] f32 (`moe_gate_gemm`, one launch)."""
+def _gate_partials(x: torch.Tensor, wg: torch.Tensor, config: dict, invariant: bool,
+                   logits: torch.Tensor | None = None) -> torch.Tensor:
+    """The router logits as SPLIT partials [SPLIT, M, E] f32 (`moe_gate_gemm`, one launch), or
+    `logits` when the caller computed them already (checked, no launch): e.g. the router rows of a
+    split-K GEMM that also holds the shared expert's gate|up rows (models.kimi), which saves the
+    gate GEMM's launch. The route kernels add any split count in split order."""
     M, H = x.shape
     E = wg.shape[0]
+    if logits is not None:
+        check_tensor("route", "logits", logits, 3, (torch.float32,), x.device, last_contiguous=True)
+        if logits.shape[0] < 1 or logits.shape[1:] != (M, E):
+            raise ValueError(f"route: logits must be split partials [S >= 1, M={M}, E={E}] f32, "
+                             f"got {tuple(logits.shape)}")
+        return logits
     part = torch.empty(route_split(H), M, E, dtype=torch.float32, device=x.device)
     if invariant:
         cfg_g = invariant_config(moe_gate_gemm, {"E": E, "H": H}, M, config.get("gate"))
@@ -446,7 +456,8 @@ def _gate_partials(x: torch.Tensor, wg: torch.Tensor, config: dict, invariant: b
 def route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int = 1,
           topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
           backend: str = "triton", config: dict | None = None, scoring_func: str = "sigmoid",
-          invariant: bool = True, local: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          invariant: bool = True, local: tuple[int, int] | None = None,
+          logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert ids and combine weights per token (noaux_tc). `config`: {"gate": {...}, "route": {...}}.
 
     Guarantee: every id is in [0, E) and a token's ids are distinct, whatever the input (NaN or
@@ -459,7 +470,9 @@ def route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_g
     `local` = (first, count): an expert-parallel rank's experts [first, first + count): the choice
     and weights are over all E experts as without it, but each id comes out as id - first, or -1
     for another rank's expert (`moe_route_local`; the align kernels and top-k sums skip -1), so
-    the ranks' routed outputs still sum to the whole."""
+    the ranks' routed outputs still sum to the whole. `logits` (triton): x @ wg^T already computed
+    as f32 split-K partials [S, M, E] (any S, last dim contiguous, e.g. a strided view of a wider
+    GEMM's partials): no gate GEMM launch; the torch backend ignores it and computes x @ wg^T."""
     check_backend("route", backend)
     M, H, E = _check_route(x, wg, bias, top_k, n_group, topk_group, scoring_func, local)
     if backend == "torch":
@@ -471,7 +484,7 @@ def route(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_g
     if M == 0:
         return ids, wts
     config = config or {}
-    part = _gate_partials(x, wg, config, invariant)
+    part = _gate_partials(x, wg, config, invariant, logits)
     cfg = config_for(moe_route, {"E": E, "TOPK": top_k}, M, config.get("route"))
     bf = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
     args = (part, bf, ids, wts, n_group, topk_group, int(bool(norm_topk_prob)), SCORING[scoring_func],
@@ -500,7 +513,7 @@ def route_align_fuses(m: int, n_experts: int, top_k: int) -> bool:
 def route_align(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int = 1,
                 topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, *,
                 block_m: int, backend: str = "triton", config: dict | None = None, scoring_func: str = "sigmoid",
-                invariant: bool = True, local: tuple[int, int] | None = None
+                invariant: bool = True, local: tuple[int, int] | None = None, logits: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`route` then `moe_align` of its ids: (ids, weights, sorted_ids, block_expert), the align over
     the E experts (or, with `local`, the rank's `count` experts and its local ids) in blocks of
@@ -509,7 +522,8 @@ def route_align(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: in
     backend="triton": the gate GEMM, then for decode and verify (`route_align_fuses`) ONE launch,
     `moe_route_align` (`moe_route_align_local` with `local`): the same bits as `moe_route` +
     `moe_align_one`; above that `route` and `moe_align` (two or three launches). `config` may hold
-    "gate", "route", "route_align" and the align configs. No device read on either backend."""
+    "gate", "route", "route_align" and the align configs; `logits` as for `route`. No device read
+    on either backend."""
     check_backend("route_align", backend)
     if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
         raise ValueError(f"route_align: block_m must be a positive int, got {block_m!r}")
@@ -517,11 +531,12 @@ def route_align(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: in
     n = E if local is None else local[1]
     if backend == "torch" or not route_align_fuses(M, E, top_k):
         ids, w = route(x, wg, bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
-                       backend=backend, config=config, scoring_func=scoring_func, invariant=invariant, local=local)
+                       backend=backend, config=config, scoring_func=scoring_func, invariant=invariant, local=local,
+                       logits=logits)
         sid, bexp = moe_align(ids, n, block_m, backend=backend, check=False, config=config)
         return ids, w, sid, bexp
     config = config or {}
-    part = _gate_partials(x, wg, config, invariant)
+    part = _gate_partials(x, wg, config, invariant, logits)
     T = M * top_k
     nb = -(-T // block_m) + min(n, T)
     dev = x.device

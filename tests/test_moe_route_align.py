@@ -149,3 +149,36 @@ def test_route_align_launch_checks():
         moe.moe_route_align(part, torch.zeros(16), ids, wts, bexp, sid, 1, 1, 1, 0, 16, 16, 4, 1.0)
     with pytest.raises(ValueError, match="block_m"):
         moe.route_align(torch.randn(1, 8).bfloat16(), torch.randn(16, 8).bfloat16(), torch.zeros(16), 2, block_m=0)
+
+
+def test_route_takes_the_logits_of_a_wider_split_k_gemm():
+    """`logits=`: the router columns of a split-K GEMM that also holds other rows (the shared
+    expert's gate|up in models.kimi), read as a strided view: no gate GEMM launch, the ids and
+    weights of routing those partials, the same from route and route_align; bad shapes refused."""
+    from ops.gemm import gemm_bf16_splitk
+
+    g = torch.Generator().manual_seed(11)
+    M, E, H, K, N2 = 2, 32, 96, 4, 48
+    x = torch.randn(M, H, generator=g).bfloat16()
+    wg = (torch.randn(E, H, generator=g) * 0.2).bfloat16()
+    both = torch.cat([(torch.randn(N2, H, generator=g) * 0.2).bfloat16(), wg], 0)
+    bias = torch.randn(E, generator=g) * 0.05
+    part = gemm_bf16_splitk(x, both, config={"SPLIT_K": 4})
+    logits = part[..., N2:]
+    assert logits.stride(1) == N2 + E                     # a view, not a copy
+    with kd.recording("gfx942") as rec:
+        moe.route_align(x, wg, bias, K, 4, 2, True, 2.0, block_m=16, logits=logits)
+    assert [r.kernel.name for r in rec.launches] == ["moe_route_align"]
+    ids, w = moe.route(x, wg, bias, K, 4, 2, True, 2.0, logits=logits)
+    rids = torch.full((M, K), SENT, dtype=torch.int32)
+    rw = torch.full((M, K), float("nan"))
+    moe.moe_route(logits.contiguous(), bias, rids, rw, 4, 2, 1, 0, 2.0)
+    assert torch.equal(ids, rids) and torch.equal(_bits(w), _bits(rw))
+    out = moe.route_align(x, wg, bias, K, 4, 2, True, 2.0, block_m=16, logits=logits)
+    assert torch.equal(out[0], ids) and torch.equal(_bits(out[1]), _bits(w))
+    ref = moe.route(x, wg, bias, K, 4, 2, True, 2.0, backend="torch")   # the same choice as x @ wg^T
+    assert torch.equal(ids.long(), ref[0].long())
+    torch.testing.assert_close(w, ref[1], atol=1e-5, rtol=1e-5)
+    for bad in (part[..., N2 + 1:], part[:, :1, N2:], logits.double()):
+        with pytest.raises((ValueError, TypeError), match="logits"):
+            moe.route(x, wg, bias, K, 4, 2, True, 2.0, logits=bad)
