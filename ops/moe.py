@@ -165,6 +165,17 @@ def split_sum(logits, m, e):
     return acc
 
 
+TAKEN = -(1 << 31)  # the order key of an expert already chosen (or a padding lane): below every score's
+
+
+def _order_key(v):
+    """An i32 that orders like the f32 `v` (not NaN): the bits of v >= +0, minus the magnitude
+    bits below it, so -0.0 and +0.0 get the same key 0 (they compare equal) and -inf the key
+    -0x7F800000, above TAKEN: integer max and equality choose exactly what float ones would."""
+    b = kd.bitcast(v, kd.i32)
+    return kd.where(b >= 0, b, -(b & 0x7FFFFFFF))
+
+
 def _route_rows(logits, bias, m, scale):
     """The noaux_tc choice of the tokens `m` (a scalar index: one token; a tile: a block of tokens,
     every reduction below then runs along the experts per row): (ids, weights), one [m] value per
@@ -202,14 +213,15 @@ def _route_rows(logits, bias, m, scale):
             keep = kd.where(gg == gi, 1, keep)
             gfree = gfree & (gg != gi)
         sel = kd.where(_like(keep, sel) > 0, sel, NEG_INF)
-    free, ee = _like(valid, sel), _like(e, sel)  # a token tile's row axis leads (no transposes)
+    ee = _like(e, sel)  # a token tile's row axis leads (no transposes)
+    key = kd.where(_like(valid, sel), _order_key(sel), TAKEN)
     chosen, weights = [], []
-    for _ in range(K):
-        mx = kd.max(kd.max(kd.where(free, sel, NEG_INF), axis=j), axis=g)
-        idx = kd.min(kd.min(kd.where(free & (sel == mx), ee, BIG), axis=j), axis=g)
+    for _ in range(K):  # the largest key, ties to the lowest id; a chosen lane drops to TAKEN
+        top = kd.max(kd.max(key, axis=j), axis=g)
+        idx = kd.min(kd.min(kd.where(key == top, ee, BIG), axis=j), axis=g)
         weights.append(kd.sum(kd.sum(kd.where(ee == idx, scores, 0.0), axis=j), axis=g))
         chosen.append(idx)
-        free = free & (ee != idx)
+        key = kd.where(ee == idx, TAKEN, key)
     denom = weights[0]
     for w in weights[1:]:
         denom = denom + w
@@ -314,6 +326,47 @@ def _align_rows(read_ids, T, ea, block_expert, sorted_ids):
     kd.fold(t_tiles("t"), kd.zeros((ea,), kd.i32), scatter)
 
 
+ALIGN_ROWS_MAX_T = 64  # up to this many (token, k) rows (static bound MB*TOPK) the align compares rows with rows
+
+
+def _align_few_rows(read_ids, T, block_expert, sorted_ids):
+    """The arrays of `_align_rows` (and `moe_align_one`) for the few rows of a decode or verify step
+    (static bound TB = p2(MB*TOPK) <= ALIGN_ROWS_MAX_T), computed per row from [TB, TB] row x row
+    compares instead of per expert over the EA experts: a row's rank among the earlier rows of its
+    expert (`within`) and its expert's row count come from one packed sum; the rows with `within` a
+    multiple of BM each open one block (an expert of c rows has ceil(c / BM) of them), so a row's
+    padded start = BM x the blocks opened by rows of lower experts, and block b's expert is the id of
+    the row that opens it. An id outside [0, EA) is in no block."""
+    EA, bm = kd.static("EA"), kd.static("BM")
+    tb = _p2(kd.static("MB") * kd.static("TOPK"))
+    t = kd.span(0, tb, T, "t")
+    u = kd.span(0, tb, T, "u")  # the same rows on a second axis
+    et, eu = read_ids(t), read_ids(u)
+    ok_t, ok_u = (et >= 0) & (et < EA), (eu >= 0) & (eu < EA)
+    same = (eu == et) & ok_u & (u < T)  # [u, t]: row u has the expert of row t
+    packed = kd.sum(kd.where(same, kd.where(u < t, (1 << 16) + 1, 1 << 16), 0), axis=u)
+    within, count = packed & 0xFFFF, packed >> 16  # rows before t of its expert; rows of its expert
+    opens_u = ok_u & (u < T) & (kd.sum(kd.where(same & (t < u), 1, 0), axis=t) % bm == 0)  # [u]
+    below = kd.sum(kd.where(opens_u & (eu < et), 1, 0), axis=u)  # blocks of the experts below t's
+    slot = below * bm + within
+    opens_t = ok_t & (t < T) & (within % bm == 0)
+    total = kd.sum(kd.where(opens_t, bm, 0), axis=t)
+    blk = below + within // bm
+
+    def blocks(b):
+        block_expert[b] = kd.sum(kd.where(opens_t & (blk == b), et + 1, 0), axis=t) - 1
+
+    kd.fold(kd.tiles("NB", block="BLOCK_B", domain=(8, 16, 32, 64), default=16), None, blocks)
+    j = kd.span(0, bm, None, "j")  # the padding slots of each block past its expert's rows
+    sorted_ids.store(slot + j, value=kd.zeros((t, j), kd.i32) + T, mask=opens_t & (within + j >= count))
+
+    def tail(r):  # the slots past the used blocks
+        sorted_ids.store(r, value=kd.zeros((r,), kd.i32) + T, mask=r >= total)
+
+    kd.fold(kd.tiles("S", block="BLOCK_S", domain=(64, 128, 256, 512), default=256, label="r"), None, tail)
+    sorted_ids.store(slot, value=t, mask=ok_t & (t < T))
+
+
 def _route_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, lo):
     """Route the M tokens as one [MB, E] tile, store ids and weights, then align the (token, k)
     rows of those ids with the loops of `moe_align_one` (`_align_rows`: the same arrays). The align
@@ -334,7 +387,11 @@ def _route_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, lo):
         ids[m, i] = chosen[i]
         wts[m, i] = weights[i]
     kd.barrier()
-    _align_rows(lambda t: ids[t // K, t % K], M * K, ea, block_expert, sorted_ids)  # row t = m*K + k
+    read_ids = lambda t: ids[t // K, t % K]  # noqa: E731 - row t = m*K + k
+    if kd.static("MB") * K <= ALIGN_ROWS_MAX_T:
+        _align_few_rows(read_ids, M * K, block_expert, sorted_ids)
+    else:
+        _align_rows(read_ids, M * K, ea, block_expert, sorted_ids)
 
 
 _ROUTE_ALIGN_STATIC = ("E", "TOPK", "NG", "TOPKG", "NORM", "SPLIT", "SOFTMAX", "EA", "BM", "MB")
