@@ -165,24 +165,28 @@ def split_sum(logits, m, e):
     return acc
 
 
-TAKEN = -(1 << 31)  # the order key of an expert already chosen (or a padding lane): below every score's
+TAKEN = -(1 << 31)  # order keys from TAKEN up to TAKEN + TOPK mark chosen experts (and padding lanes): below every score's
 
 
 def _order_key(v):
     """An i32 that orders like the f32 `v` (not NaN): the bits of v >= +0, minus the magnitude
     bits below it, so -0.0 and +0.0 get the same key 0 (they compare equal) and -inf the key
-    -0x7F800000, above TAKEN: integer max and equality choose exactly what float ones would."""
+    -0x7F800000, far above TAKEN: integer max and equality choose exactly what float ones would."""
     b = kd.bitcast(v, kd.i32)
     return kd.where(b >= 0, b, -(b & 0x7FFFFFFF))
 
 
-def _route_rows(logits, bias, m, scale):
+def _route_rows(logits, bias, m, ids, wts, scale, lo=None, n=None):
     """The noaux_tc choice of the tokens `m` (a scalar index: one token; a tile: a block of tokens,
-    every reduction below then runs along the experts per row): (ids, weights), one [m] value per
-    top-k slot. Nothing depends on the order of a reduction (elementwise ops, exact max/min and
-    one-hot sums along the experts, the SPLIT partials added one after another in split order, the
-    softmax denominator summed exactly), so both forms, on any tile layout, give the same bits:
-    `moe_route` and `moe_route_align` agree, and a token's routing does not depend on the batch."""
+    every reduction below then runs along the experts per row), stored: ids[m, k] and wts[m, k].
+    Nothing depends on the order of a reduction (elementwise ops, exact integer max/min along the
+    experts, the SPLIT partials added one after another in split order, the softmax denominator
+    summed exactly, the k weights added in k order), so both forms, on any tile layout, give the
+    same bits: `moe_route` and `moe_route_align` agree, and a token's routing does not depend on
+    the batch. Each round, the one lane holding the chosen expert stores its id and its (unbiased)
+    score itself (no reduction carries them); after a `kd.barrier()` the k scores are re-read per
+    token, summed in k order and scaled. `lo`, `n` (expert parallel): ids are stored as id - lo, or
+    -1 outside [lo, lo + n)."""
     E, K, ng, tkg = kd.static("E"), kd.static("TOPK"), kd.static("NG"), kd.static("TOPKG")
     kd.require(E % ng == 0, "E must be a multiple of n_group", "NG")
     eg = E // ng
@@ -214,19 +218,24 @@ def _route_rows(logits, bias, m, scale):
             gfree = gfree & (gg != gi)
         sel = kd.where(_like(keep, sel) > 0, sel, NEG_INF)
     ee = _like(e, sel)  # a token tile's row axis leads (no transposes)
-    key = kd.where(_like(valid, sel), _order_key(sel), TAKEN)
-    chosen, weights = [], []
-    for _ in range(K):  # the largest key, ties to the lowest id; a chosen lane drops to TAKEN
+    key = kd.where(_like(valid, sel), _order_key(sel), TAKEN + K)
+    for i in range(K):  # the largest key, ties to the lowest id; the chosen lane's key becomes TAKEN + i
         top = kd.max(kd.max(key, axis=j), axis=g)
         idx = kd.min(kd.min(kd.where(key == top, ee, BIG), axis=j), axis=g)
-        weights.append(kd.sum(kd.sum(kd.where(ee == idx, scores, 0.0), axis=j), axis=g))
-        chosen.append(idx)
-        key = kd.where(ee == idx, TAKEN, key)
+        key = kd.where(ee == idx, TAKEN + i, key)
+    rank = key - TAKEN  # the k slot of a chosen lane; K or more for the others
+    stored = ee if lo is None else kd.where((ee - lo >= 0) & (ee - lo < n), ee - lo, -1)
+    chosen = rank < K  # one lane per token and slot (padding lanes are masked off by ee's axes)
+    ids.store(m, rank, value=stored, mask=chosen)
+    wts.store(m, rank, value=scores, mask=chosen)  # the unbiased score; scaled below
+    kd.barrier()
+    weights = [wts[m, i] for i in range(K)]
     denom = weights[0]
     for w in weights[1:]:
         denom = denom + w
     mult = scale / (denom + 1e-20) if kd.static("NORM") else scale
-    return chosen, [w * mult for w in weights]
+    for i in range(K):
+        wts[m, i] = weights[i] * mult
 
 
 @kd.kernel(static=("E", "TOPK", "NG", "TOPKG", "NORM", "SPLIT", "SOFTMAX"),
@@ -238,22 +247,7 @@ def moe_route(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", kd.f32]
     group-limited top-k. Every id is in [0, E) whatever the scores: a NaN selection score counts
     as -inf and ties (including all -inf) go to the lowest id not yet chosen."""
     (m,) = kd.grid(kd.each("M"))
-    chosen, weights = _route_rows(logits, bias, m, scale)
-    for i in range(kd.static("TOPK")):
-        ids[m, i] = chosen[i]
-        wts[m, i] = weights[i]
-
-
-class _LocalIds:
-    """The ids operand of `moe_route` seen through one rank's expert range [lo, lo + n): a stored
-    global id becomes its local id, or -1 for another rank's expert (expert parallel)."""
-
-    def __init__(self, ids, lo, n):
-        self.ids, self.lo, self.n = ids, lo, n
-
-    def __setitem__(self, key, v):
-        loc = v - self.lo
-        self.ids[key] = kd.where((loc >= 0) & (loc < self.n), loc, -1)
+    _route_rows(logits, bias, m, ids, wts, scale)
 
 
 @kd.kernel(static=("E", "TOPK", "NG", "TOPKG", "NORM", "SPLIT", "SOFTMAX"),
@@ -265,7 +259,8 @@ def moe_route_local(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", k
     """`moe_route` for an expert-parallel rank holding experts [lo, lo + n): the same choice and
     weights over all E experts, each id stored as id - lo, or -1 when another rank holds it (the
     align kernels and the top-k sums skip -1). Every stored id is in [-1, n)."""
-    moe_route.fn(logits, bias, _LocalIds(ids, lo, n), wts, NG, TOPKG, NORM, SOFTMAX, scale)
+    (m,) = kd.grid(kd.each("M"))
+    _route_rows(logits, bias, m, ids, wts, scale, lo, n)
 
 
 # decode and verify route and align in one launch (`moe_route_align`) while the [rows, experts] score
@@ -380,12 +375,7 @@ def _route_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, lo):
     (ea,) = kd.grid(kd.tile("EA", block=_p2(EA)))  # one program: the whole (local) expert range
     M = kd.dim("M")
     m = kd.span(0, kd.static("MB"), M, "m")  # every token (the launcher checks M <= MB)
-    chosen, weights = _route_rows(logits, bias, m, scale)
-    if lo is not None:
-        chosen = [kd.where((c - lo >= 0) & (c - lo < EA), c - lo, -1) for c in chosen]
-    for i in range(K):
-        ids[m, i] = chosen[i]
-        wts[m, i] = weights[i]
+    _route_rows(logits, bias, m, ids, wts, scale, lo, EA)
     kd.barrier()
     read_ids = lambda t: ids[t // K, t % K]  # noqa: E731 - row t = m*K + k
     if kd.static("MB") * K <= ALIGN_ROWS_MAX_T:
