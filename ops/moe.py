@@ -5,20 +5,24 @@ Pipeline of `fused_moe` (backend="triton"):
    M=1 uses many CUs; summed in fixed order), sigmoid scores, expert choice on
    scores + e_score_correction_bias (group-limited when n_group > 1), combine weights = the
    *unbiased* scores of the chosen experts, / (sum + 1e-20) when norm_topk_prob, × routed_scaling_factor.
-   Top-k is k rounds of argmax-and-mask over the whole (padded) expert tile; ties go to the lower id.
-   The ids come out int32, the dtype the align kernels read (no conversion launch). No result depends
-   on a reduction order (split partials added in split order, exact max/min and one-hot sums, the
-   softmax denominator summed exactly in fixed point), so the same per-token code routes one token
-   per program (`moe_route`) or a tile of tokens (`moe_route_align`) with the same bits.
+   Top-k is k rounds of argmax-and-mask over the whole (padded) expert tile, on i32 keys that order
+   like the selection scores (`_order_key`: an integer max and an integer min of the ids, exact);
+   ties go to the lower id; the lane of each chosen expert stores its id and unbiased score itself,
+   and the k scores are re-read after a barrier, added in k order and scaled. The ids come out int32,
+   the dtype the align kernels read (no conversion launch). No result depends on a reduction order
+   (split partials added in split order, exact integer max/min, the softmax denominator summed
+   exactly in fixed point), so the same per-token code routes one token per program (`moe_route`)
+   or a tile of tokens (`moe_route_align`) with the same bits.
    `route_align` (kernel `moe_route_align`, `moe_route_align_local` for an expert-parallel rank):
    for decode and verify (`route_align_fuses`: up to ALIGN_ONE_MAX_T rows and a [p2(M), p2(E)]
    score tile up to ROUTE_ALIGN_MAX_TILE) route the M tokens as one [MB, E] tile, store the ids and
-   weights, `kd.barrier()`, and align the stored ids with the loops of `moe_align_one` in the same
-   program: the arrays of `moe_route` + `moe_align_one` in one launch; `fused_experts(...,
+   weights, `kd.barrier()`, and align the stored ids in the same program (up to ALIGN_ROWS_MAX_T
+   rows by comparing rows with rows, `_align_few_rows`; above, with the loops of `moe_align_one`):
+   the arrays of `moe_route` + `moe_align_one` in one launch; `fused_experts(...,
    aligned=)` takes them, and the model's decode / verify path uses it. The barrier and re-load
    matter: aligning the values still in registers made Triton recompute the route's reduction
    chain in the align's layouts (gfx942: 512 VGPRs, ~13k spilled registers); read back, the
-   kernel compiles without spills (M = 1: 118 VGPRs).
+   kernel compiles without spills.
 2. Per-token int8 quantization (W4A8 only): `ops.quant.quant_per_token_int8` (absmax/127, RNE), or
    none when the caller passes the rows pre-quantized (`fused_experts(..., xq=(x8, xs))`: the model's
    post-attention `ops.norm.rms_norm_quant` emits them with the normed rows).
@@ -364,7 +368,8 @@ def _align_few_rows(read_ids, T, block_expert, sorted_ids):
 
 def _route_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, lo):
     """Route the M tokens as one [MB, E] tile, store ids and weights, then align the (token, k)
-    rows of those ids with the loops of `moe_align_one` (`_align_rows`: the same arrays). The align
+    rows of those ids (`_align_few_rows` up to ALIGN_ROWS_MAX_T rows, else the loops of
+    `moe_align_one`, `_align_rows`: the same arrays either way). The align
     reads the ids back after a `kd.barrier()` (the program's stores are then visible to all its
     threads) instead of using the values in registers: from registers, Triton recomputes the
     route's reduction chain in the align's layouts (gfx942: 512 VGPRs, ~13k spilled registers);
