@@ -5,20 +5,24 @@ Pipeline of `fused_moe` (backend="triton"):
    M=1 uses many CUs; summed in fixed order), sigmoid scores, expert choice on
    scores + e_score_correction_bias (group-limited when n_group > 1), combine weights = the
    *unbiased* scores of the chosen experts, / (sum + 1e-20) when norm_topk_prob, × routed_scaling_factor.
-   Top-k is k rounds of argmax-and-mask over the whole (padded) expert tile; ties go to the lower id.
-   The ids come out int32, the dtype the align kernels read (no conversion launch). No result depends
-   on a reduction order (split partials added in split order, exact max/min and one-hot sums, the
-   softmax denominator summed exactly in fixed point), so the same per-token code routes one token
-   per program (`moe_route`) or a tile of tokens (`moe_route_align`) with the same bits.
+   Top-k is k rounds of argmax-and-mask over the whole (padded) expert tile, on i32 keys that order
+   like the selection scores (`_order_key`: an integer max and an integer min of the ids, exact);
+   ties go to the lower id; the lane of each chosen expert stores its id and unbiased score itself,
+   and the k scores are re-read after a barrier, added in k order and scaled. The ids come out int32,
+   the dtype the align kernels read (no conversion launch). No result depends on a reduction order
+   (split partials added in split order, exact integer max/min, the softmax denominator summed
+   exactly in fixed point), so the same per-token code routes one token per program (`moe_route`)
+   or a tile of tokens (`moe_route_align`) with the same bits.
    `route_align` (kernel `moe_route_align`, `moe_route_align_local` for an expert-parallel rank):
    for decode and verify (`route_align_fuses`: up to ALIGN_ONE_MAX_T rows and a [p2(M), p2(E)]
    score tile up to ROUTE_ALIGN_MAX_TILE) route the M tokens as one [MB, E] tile, store the ids and
-   weights, `kd.barrier()`, and align the stored ids with the loops of `moe_align_one` in the same
-   program: the arrays of `moe_route` + `moe_align_one` in one launch; `fused_experts(...,
+   weights, `kd.barrier()`, and align the stored ids in the same program (up to ALIGN_ROWS_MAX_T
+   rows by comparing rows with rows, `_align_few_rows`; above, with the loops of `moe_align_one`):
+   the arrays of `moe_route` + `moe_align_one` in one launch; `fused_experts(...,
    aligned=)` takes them, and the model's decode / verify path uses it. The barrier and re-load
    matter: aligning the values still in registers made Triton recompute the route's reduction
    chain in the align's layouts (gfx942: 512 VGPRs, ~13k spilled registers); read back, the
-   kernel compiles without spills (M = 1: 118 VGPRs).
+   kernel compiles without spills.
 2. Per-token int8 quantization (W4A8 only): `ops.quant.quant_per_token_int8` (absmax/127, RNE), or
    none when the caller passes the rows pre-quantized (`fused_experts(..., xq=(x8, xs))`: the model's
    post-attention `ops.norm.rms_norm_quant` emits them with the normed rows).
@@ -165,13 +169,28 @@ def split_sum(logits, m, e):
     return acc
 
 
-def _route_rows(logits, bias, m, scale):
+TAKEN = -(1 << 31)  # order keys from TAKEN up to TAKEN + TOPK mark chosen experts (and padding lanes): below every score's
+
+
+def _order_key(v):
+    """An i32 that orders like the f32 `v` (not NaN): the bits of v >= +0, minus the magnitude
+    bits below it, so -0.0 and +0.0 get the same key 0 (they compare equal) and -inf the key
+    -0x7F800000, far above TAKEN: integer max and equality choose exactly what float ones would."""
+    b = kd.bitcast(v, kd.i32)
+    return kd.where(b >= 0, b, -(b & 0x7FFFFFFF))
+
+
+def _route_rows(logits, bias, m, ids, wts, scale, lo=None, n=None):
     """The noaux_tc choice of the tokens `m` (a scalar index: one token; a tile: a block of tokens,
-    every reduction below then runs along the experts per row): (ids, weights), one [m] value per
-    top-k slot. Nothing depends on the order of a reduction (elementwise ops, exact max/min and
-    one-hot sums along the experts, the SPLIT partials added one after another in split order, the
-    softmax denominator summed exactly), so both forms, on any tile layout, give the same bits:
-    `moe_route` and `moe_route_align` agree, and a token's routing does not depend on the batch."""
+    every reduction below then runs along the experts per row), stored: ids[m, k] and wts[m, k].
+    Nothing depends on the order of a reduction (elementwise ops, exact integer max/min along the
+    experts, the SPLIT partials added one after another in split order, the softmax denominator
+    summed exactly, the k weights added in k order), so both forms, on any tile layout, give the
+    same bits: `moe_route` and `moe_route_align` agree, and a token's routing does not depend on
+    the batch. Each round, the one lane holding the chosen expert stores its id and its (unbiased)
+    score itself (no reduction carries them); after a `kd.barrier()` the k scores are re-read per
+    token, summed in k order and scaled. `lo`, `n` (expert parallel): ids are stored as id - lo, or
+    -1 outside [lo, lo + n)."""
     E, K, ng, tkg = kd.static("E"), kd.static("TOPK"), kd.static("NG"), kd.static("TOPKG")
     kd.require(E % ng == 0, "E must be a multiple of n_group", "NG")
     eg = E // ng
@@ -202,19 +221,25 @@ def _route_rows(logits, bias, m, scale):
             keep = kd.where(gg == gi, 1, keep)
             gfree = gfree & (gg != gi)
         sel = kd.where(_like(keep, sel) > 0, sel, NEG_INF)
-    free, ee = _like(valid, sel), _like(e, sel)  # a token tile's row axis leads (no transposes)
-    chosen, weights = [], []
-    for _ in range(K):
-        mx = kd.max(kd.max(kd.where(free, sel, NEG_INF), axis=j), axis=g)
-        idx = kd.min(kd.min(kd.where(free & (sel == mx), ee, BIG), axis=j), axis=g)
-        weights.append(kd.sum(kd.sum(kd.where(ee == idx, scores, 0.0), axis=j), axis=g))
-        chosen.append(idx)
-        free = free & (ee != idx)
+    ee = _like(e, sel)  # a token tile's row axis leads (no transposes)
+    key = kd.where(_like(valid, sel), _order_key(sel), TAKEN + K)
+    for i in range(K):  # the largest key, ties to the lowest id; the chosen lane's key becomes TAKEN + i
+        top = kd.max(kd.max(key, axis=j), axis=g)
+        idx = kd.min(kd.min(kd.where(key == top, ee, BIG), axis=j), axis=g)
+        key = kd.where(ee == idx, TAKEN + i, key)
+    rank = key - TAKEN  # the k slot of a chosen lane; K or more for the others
+    stored = ee if lo is None else kd.where((ee - lo >= 0) & (ee - lo < n), ee - lo, -1)
+    chosen = rank < K  # one lane per token and slot (padding lanes are masked off by ee's axes)
+    ids.store(m, rank, value=stored, mask=chosen)
+    wts.store(m, rank, value=scores, mask=chosen)  # the unbiased score; scaled below
+    kd.barrier()
+    weights = [wts[m, i] for i in range(K)]
     denom = weights[0]
     for w in weights[1:]:
         denom = denom + w
     mult = scale / (denom + 1e-20) if kd.static("NORM") else scale
-    return chosen, [w * mult for w in weights]
+    for i in range(K):
+        wts[m, i] = weights[i] * mult
 
 
 @kd.kernel(static=("E", "TOPK", "NG", "TOPKG", "NORM", "SPLIT", "SOFTMAX"),
@@ -226,22 +251,7 @@ def moe_route(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", kd.f32]
     group-limited top-k. Every id is in [0, E) whatever the scores: a NaN selection score counts
     as -inf and ties (including all -inf) go to the lowest id not yet chosen."""
     (m,) = kd.grid(kd.each("M"))
-    chosen, weights = _route_rows(logits, bias, m, scale)
-    for i in range(kd.static("TOPK")):
-        ids[m, i] = chosen[i]
-        wts[m, i] = weights[i]
-
-
-class _LocalIds:
-    """The ids operand of `moe_route` seen through one rank's expert range [lo, lo + n): a stored
-    global id becomes its local id, or -1 for another rank's expert (expert parallel)."""
-
-    def __init__(self, ids, lo, n):
-        self.ids, self.lo, self.n = ids, lo, n
-
-    def __setitem__(self, key, v):
-        loc = v - self.lo
-        self.ids[key] = kd.where((loc >= 0) & (loc < self.n), loc, -1)
+    _route_rows(logits, bias, m, ids, wts, scale)
 
 
 @kd.kernel(static=("E", "TOPK", "NG", "TOPKG", "NORM", "SPLIT", "SOFTMAX"),
@@ -253,13 +263,14 @@ def moe_route_local(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", k
     """`moe_route` for an expert-parallel rank holding experts [lo, lo + n): the same choice and
     weights over all E experts, each id stored as id - lo, or -1 when another rank holds it (the
     align kernels and the top-k sums skip -1). Every stored id is in [-1, n)."""
-    moe_route.fn(logits, bias, _LocalIds(ids, lo, n), wts, NG, TOPKG, NORM, SOFTMAX, scale)
+    (m,) = kd.grid(kd.each("M"))
+    _route_rows(logits, bias, m, ids, wts, scale, lo, n)
 
 
 # decode and verify route and align in one launch (`moe_route_align`) while the [rows, experts] score
 # tile stays this small (Kimi: up to 2 tokens x 512 expert lanes) and the align fits one program: one
-# program routes all the tokens, so its time grows with them (gfx942, bench.step: 2.8 us at 1 or 2
-# tokens, 5.2 at 4), while route + align take 2.4 us plus a 2 us launch gap whatever the batch
+# program routes all the tokens, so its time grows with them (gfx942, static model: 1.1 us at 1 token,
+# 1.5 at 2, 2.8 at 4, 11 at 8), while route + align take about 2 us plus a 2 us launch gap
 ROUTE_ALIGN_MAX_TILE = 2 * 512
 
 
@@ -314,9 +325,51 @@ def _align_rows(read_ids, T, ea, block_expert, sorted_ids):
     kd.fold(t_tiles("t"), kd.zeros((ea,), kd.i32), scatter)
 
 
+ALIGN_ROWS_MAX_T = 64  # up to this many (token, k) rows (static bound MB*TOPK) the align compares rows with rows
+
+
+def _align_few_rows(read_ids, T, block_expert, sorted_ids):
+    """The arrays of `_align_rows` (and `moe_align_one`) for the few rows of a decode or verify step
+    (static bound TB = p2(MB*TOPK) <= ALIGN_ROWS_MAX_T), computed per row from [TB, TB] row x row
+    compares instead of per expert over the EA experts: a row's rank among the earlier rows of its
+    expert (`within`) and its expert's row count come from one packed sum; the rows with `within` a
+    multiple of BM each open one block (an expert of c rows has ceil(c / BM) of them), so a row's
+    padded start = BM x the blocks opened by rows of lower experts, and block b's expert is the id of
+    the row that opens it. An id outside [0, EA) is in no block."""
+    EA, bm = kd.static("EA"), kd.static("BM")
+    tb = _p2(kd.static("MB") * kd.static("TOPK"))
+    t = kd.span(0, tb, T, "t")
+    u = kd.span(0, tb, T, "u")  # the same rows on a second axis
+    et, eu = read_ids(t), read_ids(u)
+    ok_t, ok_u = (et >= 0) & (et < EA), (eu >= 0) & (eu < EA)
+    same = (eu == et) & ok_u & (u < T)  # [u, t]: row u has the expert of row t
+    packed = kd.sum(kd.where(same, kd.where(u < t, (1 << 16) + 1, 1 << 16), 0), axis=u)
+    within, count = packed & 0xFFFF, packed >> 16  # rows before t of its expert; rows of its expert
+    opens_u = ok_u & (u < T) & (kd.sum(kd.where(same & (t < u), 1, 0), axis=t) % bm == 0)  # [u]
+    below = kd.sum(kd.where(opens_u & (eu < et), 1, 0), axis=u)  # blocks of the experts below t's
+    slot = below * bm + within
+    opens_t = ok_t & (t < T) & (within % bm == 0)
+    total = kd.sum(kd.where(opens_t, bm, 0), axis=t)
+    blk = below + within // bm
+
+    def blocks(b):
+        block_expert[b] = kd.sum(kd.where(opens_t & (blk == b), et + 1, 0), axis=t) - 1
+
+    kd.fold(kd.tiles("NB", block="BLOCK_B", domain=(8, 16, 32, 64), default=16), None, blocks)
+    j = kd.span(0, bm, None, "j")  # the padding slots of each block past its expert's rows
+    sorted_ids.store(slot + j, value=kd.zeros((t, j), kd.i32) + T, mask=opens_t & (within + j >= count))
+
+    def tail(r):  # the slots past the used blocks
+        sorted_ids.store(r, value=kd.zeros((r,), kd.i32) + T, mask=r >= total)
+
+    kd.fold(kd.tiles("S", block="BLOCK_S", domain=(64, 128, 256, 512), default=256, label="r"), None, tail)
+    sorted_ids.store(slot, value=t, mask=ok_t & (t < T))
+
+
 def _route_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, lo):
     """Route the M tokens as one [MB, E] tile, store ids and weights, then align the (token, k)
-    rows of those ids with the loops of `moe_align_one` (`_align_rows`: the same arrays). The align
+    rows of those ids (`_align_few_rows` up to ALIGN_ROWS_MAX_T rows, else the loops of
+    `moe_align_one`, `_align_rows`: the same arrays either way). The align
     reads the ids back after a `kd.barrier()` (the program's stores are then visible to all its
     threads) instead of using the values in registers: from registers, Triton recomputes the
     route's reduction chain in the align's layouts (gfx942: 512 VGPRs, ~13k spilled registers);
@@ -327,14 +380,13 @@ def _route_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, lo):
     (ea,) = kd.grid(kd.tile("EA", block=_p2(EA)))  # one program: the whole (local) expert range
     M = kd.dim("M")
     m = kd.span(0, kd.static("MB"), M, "m")  # every token (the launcher checks M <= MB)
-    chosen, weights = _route_rows(logits, bias, m, scale)
-    if lo is not None:
-        chosen = [kd.where((c - lo >= 0) & (c - lo < EA), c - lo, -1) for c in chosen]
-    for i in range(K):
-        ids[m, i] = chosen[i]
-        wts[m, i] = weights[i]
+    _route_rows(logits, bias, m, ids, wts, scale, lo, EA)
     kd.barrier()
-    _align_rows(lambda t: ids[t // K, t % K], M * K, ea, block_expert, sorted_ids)  # row t = m*K + k
+    read_ids = lambda t: ids[t // K, t % K]  # noqa: E731 - row t = m*K + k
+    if kd.static("MB") * K <= ALIGN_ROWS_MAX_T:
+        _align_few_rows(read_ids, M * K, block_expert, sorted_ids)
+    else:
+        _align_rows(read_ids, M * K, ea, block_expert, sorted_ids)
 
 
 _ROUTE_ALIGN_STATIC = ("E", "TOPK", "NG", "TOPKG", "NORM", "SPLIT", "SOFTMAX", "EA", "BM", "MB")

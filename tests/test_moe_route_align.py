@@ -56,6 +56,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     (7, 64, 6, 4, 2, 0, 16, 3, (16, 16)),      # expert parallel: a middle rank
     (4, 384, 8, 1, 1, 0, 16, 14, (336, 48)),   # Kimi EP8, the last rank
     (2, 24, 3, 1, 1, 0, 16, 2, (0, 5)),        # EP, ragged local range
+    (20, 4, 1, 1, 1, 0, 16, 2, None),          # row x row align: experts of more rows than BM
+    (20, 16, 4, 1, 1, 0, 16, 2, (4, 8)),       # above ALIGN_ROWS_MAX_T rows: the per-expert align
 ])
 @pytest.mark.parametrize("ties", [False, True])
 def test_route_align_equals_route_then_align(M, E, K, ng, tkg, soft, bm, split, local, ties):
