@@ -268,10 +268,11 @@ def moe_route_local(logits: kd.In["SPLIT", "M", "E", kd.f32], bias: kd.In["E", k
 
 
 # decode and verify route and align in one launch (`moe_route_align`) while the [rows, experts] score
-# tile stays this small (Kimi: up to 2 tokens x 512 expert lanes) and the align fits one program: one
-# program routes all the tokens, so its time grows with them (gfx942, static model: 1.1 us at 1 token,
-# 1.5 at 2, 2.8 at 4, 11 at 8), while route + align take about 2 us plus a 2 us launch gap
-ROUTE_ALIGN_MAX_TILE = 2 * 512
+# tile stays this small (Kimi: up to 4 tokens x 512 expert lanes: a batch-1 verify of 4) and the align
+# fits one program: one program routes all the tokens, so its time grows with them (gfx942, static
+# model: 1.1 us at 1 token, 1.5 at 2, 2.6 at 4, 11 at 8), while route + align take about 2 us plus a
+# 2 us launch gap (bench.step TP1 q_len 4: kernels +41 us, step -79 us, 14 launches per MoE layer, not 15)
+ROUTE_ALIGN_MAX_TILE = 4 * 512
 
 
 def _align_rows(read_ids, T, ea, block_expert, sorted_ids):
