@@ -191,17 +191,16 @@ def gemm_bf16_splitk_kernel(x: kd.In["M", "K", kd.bf16], w: kd.In["N", "K", kd.b
     part[s, m, n] = kd.fold(span, kd.zeros((m, n), kd.f32), lambda k, acc: acc + kd.dot(x[m, k], w[n, k]))
 
 
-def splitk_rows(part, rows, cols, row_mask=None, unroll=False):
+def splitk_rows(part, rows, cols, row_mask=None):
     """part[0] + part[1] + ... + part[S-1] at (rows, cols) in split order (f32), rounded to bf16 as
     a plain GEMM stores its output, returned in f32: what a consumer of gemm_bf16_splitk reads in
-    place of the bf16 GEMM output (S = 1: that row itself). `row_mask`: loads only where it holds.
-    `unroll`: the kernel declares S static and the split loop is unrolled (each add in the ISA)."""
+    place of the bf16 GEMM output (S = 1: that row itself). `row_mask`: loads only where it holds."""
     first = part.load(0, rows, cols, mask=row_mask)
 
     def add(s, acc):
         return acc + kd.sum(part.load(s, rows, cols, mask=row_mask), axis=s)
 
-    total = kd.fold(kd.tiles(start=1, stop=kd.dim("S"), block=1, label="s", unroll=unroll), first, add)
+    total = kd.fold(kd.tiles(start=1, stop=kd.dim("S"), block=1, label="s"), first, add)
     return total.to(kd.bf16).to(kd.f32)
 
 

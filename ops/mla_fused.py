@@ -37,7 +37,7 @@ import torch
 
 import kdsl as kd
 from ops._common import check_backend, check_slots, check_tensor, invariant_config, validating
-from ops.gemm import splitk_rows, splitk_sum_ref
+from ops.gemm import splitk_sum_ref
 
 # ---------------------------------------------------------------------------------------------
 # kernel bodies
@@ -140,9 +140,20 @@ def mla_q_absorb(q: kd.In["T", "H", "DQK", kd.bf16], wuk: kd.In["H", "NOPE", "DL
     out.store(t, h, DL + i * 2 + 1, value=x1 * cs + x0 * sn, mask=first)
 
 
+def _split_row(part, row, cols):
+    """ops.gemm.splitk_rows (part[0] + ... + part[S-1] in split order, f32, rounded to bf16) at one
+    row, with the static split count unrolled, so the ISA (and the tuner) sees every split's loads
+    and adds."""
+    def add(s, acc):
+        return acc + kd.sum(part[s, row, cols], axis=s)
+
+    total = kd.fold(kd.tiles(start=1, stop=kd.dim("S"), block=1, label="s", unroll=True), part[0, row, cols], add)
+    return total.to(kd.bf16).to(kd.f32)
+
+
 def _append_row(src, row, valid, wkv, slots, cos, sin, kv, eps):
     """src[:, row, :DL + R] (the split-K partials of the kv_a part of one q_a|kv_a output row, added
-    in split order and rounded to bf16: ops.gemm.splitk_rows) -> the cache row
+    in split order and rounded to bf16: `_split_row`) -> the cache row
     rmsnorm(latent) * wkv | rope(k_pe) at slots[row], with the expressions of `_cache_row`. `row` is
     a scalar; `valid` (a scalar bool, or None when the caller knows the row is real) masks the
     stores of a row past the batch, whose loads read row T - 1 instead. A slot < 0 stores nothing; a
@@ -163,12 +174,12 @@ def _append_row(src, row, valid, wkv, slots, cos, sin, kv, eps):
     if valid is not None:
         keep_d = keep_d & ((valid.to(kd.i32) + d * 0) > 0)
         keep_i = keep_i & ((valid.to(kd.i32) + i * 0) > 0)
-    lat = _norm(splitk_rows(src, row, d, unroll=True), d, wkv, eps, DL)
+    lat = _norm(_split_row(src, row, d), d, wkv, eps, DL)
     kv.store(page, off, d, value=lat, mask=keep_d)
     cs = cos[row, i]
     sn = sin[row, i]
-    x0 = splitk_rows(src, row, DL + i * 2, unroll=True)
-    x1 = splitk_rows(src, row, DL + i * 2 + 1, unroll=True)
+    x0 = _split_row(src, row, DL + i * 2)
+    x1 = _split_row(src, row, DL + i * 2 + 1)
     kv.store(page, off, DL + i * 2, value=x0 * cs - x1 * sn, mask=keep_i)
     kv.store(page, off, DL + i * 2 + 1, value=x1 * cs + x0 * sn, mask=keep_i)
 
@@ -192,11 +203,11 @@ def mla_q_absorb_kv(q: kd.In["T", "H", "DQK", kd.bf16], wuk: kd.In["H", "NOPE", 
     ranks P than rows, rank r mod P in unrolled trips), exactly one program per row, and a program
     that owns no real row returns before the append, so the append costs one row per writer (not a
     masked BLOCK_T-row tile in every program). H and S are static for that: the trips and the
-    unrolled split sum are fixed in the ISA, which the cost model then counts in full. kva holds the
-    kv part of the q_a|kv_a GEMM as split-K partials [S, T, DL + R] f32 (ops.gemm.gemm_bf16_splitk;
-    S = 1 one f32 row), added in split order and rounded to bf16 as the GEMM's bf16 output would be.
-    The q_b GEMM before it reads the q_a part of the same partials (ops.gemm.gemm_bf16_rmsnorm), so
-    the MLA front needs no separate prep launch."""
+    unrolled split sum (`_split_row`) are straight-line code in the ISA, which the cost model counts
+    in full. kva holds the kv part of the q_a|kv_a GEMM as split-K partials [S, T, DL + R] f32
+    (ops.gemm.gemm_bf16_splitk; S = 1 one f32 row), added in split order and rounded to bf16 as the
+    GEMM's bf16 output would be. The q_b GEMM before it reads the q_a part of the same partials
+    (ops.gemm.gemm_bf16_rmsnorm), so the MLA front needs no separate prep launch."""
     t, c, h = kd.grid(kd.tile("T", "BLOCK_T", domain=(1, 2, 4, 16, 32, 64), default=1),
                       kd.tile("DL", "BLOCK_C", domain=(32, 64, 128, 256, 512), default=128), kd.each("H"))
     NOPE = kd.static("NOPE")
