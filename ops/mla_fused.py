@@ -9,10 +9,11 @@ where each bracketed kernel replaces several launches of the unfused path:
 - the q_b GEMM (ops.gemm.gemm_bf16_rmsnorm) reads the q_a columns of those partials in place
   (strided, no copy) and computes q_c = RMSNorm(q part) * w_q in its prologue.
 - `mla_q_absorb_kv` folds q_nope through W_UK per head (a batched-per-head GEMM, f32 accumulate)
-  and ropes q_pe into the absorbed query [T, H, C + r] (clone, rope, batched GEMM, concat); its
-  head-0 program of the first latent tile also writes the new latent cache row
-  RMSNorm(kv part) * w_kv | rope(k_pe) straight into the paged cache at the row's flat slot (the
-  kv clone, norm, k rope, concat and cache append), one writer per row.
+  and ropes q_pe into the absorbed query [T, H, C + r] (clone, rope, batched GEMM, concat); then
+  the programs of a row tile share out its real rows, one row each (more only where the tile has
+  more rows than programs), and write the new latent cache row RMSNorm(kv part) * w_kv | rope(k_pe)
+  straight into the paged cache at the row's flat slot (the kv clone, norm, k rope, concat and
+  cache append), one writer per row; the others return before the append.
 - `mla_combine_uv` (ops.mla.mla_decode with `w_uv`) merges the KV splits of each (row, head) in
   split order, BLOCK_S splits a step (at BLOCK_S 1 exactly as `mla_decode_combine`), rounds the
   latent output to bf16 and multiplies it by W_UV[h] in the same program, writing o [T, H, v], the
@@ -36,7 +37,7 @@ import torch
 
 import kdsl as kd
 from ops._common import check_backend, check_slots, check_tensor, invariant_config, validating
-from ops.gemm import splitk_rows, splitk_sum_ref
+from ops.gemm import splitk_sum_ref
 
 # ---------------------------------------------------------------------------------------------
 # kernel bodies
@@ -139,26 +140,48 @@ def mla_q_absorb(q: kd.In["T", "H", "DQK", kd.bf16], wuk: kd.In["H", "NOPE", "DL
     out.store(t, h, DL + i * 2 + 1, value=x1 * cs + x0 * sn, mask=first)
 
 
-def _append_rows(src, t, writer, wkv, i, cs, sn, slots, kv, eps):
-    """src[:, t, :DL + R] (the split-K partials of the kv_a part of the q_a|kv_a output rows of tile
-    t, added in split order and rounded to bf16: ops.gemm.splitk_rows) -> the cache rows
-    rmsnorm(latent) * wkv | rope(k_pe) at slots[t], with the expressions of `_cache_row`; only where
-    `writer` holds (a [rows] mask, so one program per row loads and stores). A slot < 0 stores
-    nothing; a page index past the cache is dropped by the bounded-gather rule. cs/sn: cos/sin[t, i]
-    as the caller loaded them for the q rope."""
+def _split_row(part, row, cols):
+    """ops.gemm.splitk_rows (part[0] + ... + part[S-1] in split order, f32, rounded to bf16) at one
+    row, with the static split count unrolled, so the ISA (and the tuner) sees every split's loads
+    and adds."""
+    def add(s, acc):
+        return acc + kd.sum(part[s, row, cols], axis=s)
+
+    total = kd.fold(kd.tiles(start=1, stop=kd.dim("S"), block=1, label="s", unroll=True), part[0, row, cols], add)
+    return total.to(kd.bf16).to(kd.f32)
+
+
+def _append_row(src, row, valid, wkv, slots, cos, sin, kv, eps):
+    """src[:, row, :DL + R] (the split-K partials of the kv_a part of one q_a|kv_a output row, added
+    in split order and rounded to bf16: `_split_row`) -> the cache row
+    rmsnorm(latent) * wkv | rope(k_pe) at slots[row], with the expressions of `_cache_row`. `row` is
+    a scalar; `valid` (a scalar bool, or None when the caller knows the row is real) masks the
+    stores of a row past the batch, whose loads read row T - 1 instead. A slot < 0 stores nothing; a
+    page index past the cache is dropped by the bounded-gather rule."""
     DL = kd.static("DL")
     PS = kd.dim("PS")
     d = kd.full_range("DL")
-    slot = slots[t]
+    i = kd.full_range("R2")
+    if valid is not None:
+        row = kd.minimum(row, kd.dim("T") - 1)
+    slot = slots[row]
     page = slot // PS
     off = slot % PS
-    keep = writer & (slot >= 0)
-    lat = _norm(splitk_rows(src, t, d, row_mask=writer), d, wkv, eps, DL)
-    kv.store(page, off, d, value=lat, mask=keep)
-    x0 = splitk_rows(src, t, DL + i * 2, row_mask=writer)
-    x1 = splitk_rows(src, t, DL + i * 2 + 1, row_mask=writer)
-    kv.store(page, off, DL + i * 2, value=x0 * cs - x1 * sn, mask=keep)
-    kv.store(page, off, DL + i * 2 + 1, value=x1 * cs + x0 * sn, mask=keep)
+    # the skip tests are made vectors (slot + 0*index): the interpreter rejects a scalar bool in a
+    # vector mask
+    keep_d = (slot + d * 0) >= 0
+    keep_i = (slot + i * 0) >= 0
+    if valid is not None:
+        keep_d = keep_d & ((valid.to(kd.i32) + d * 0) > 0)
+        keep_i = keep_i & ((valid.to(kd.i32) + i * 0) > 0)
+    lat = _norm(_split_row(src, row, d), d, wkv, eps, DL)
+    kv.store(page, off, d, value=lat, mask=keep_d)
+    cs = cos[row, i]
+    sn = sin[row, i]
+    x0 = _split_row(src, row, DL + i * 2)
+    x1 = _split_row(src, row, DL + i * 2 + 1)
+    kv.store(page, off, DL + i * 2, value=x0 * cs - x1 * sn, mask=keep_i)
+    kv.store(page, off, DL + i * 2 + 1, value=x1 * cs + x0 * sn, mask=keep_i)
 
 
 _ABS_KV_CHECKS = [*_ABS_CHECKS,
@@ -166,7 +189,7 @@ _ABS_KV_CHECKS = [*_ABS_CHECKS,
                   ("kv", lambda d: d["DQ"] == d["DL"] + 2 * d["R2"], "the cache's last dim must be latent + rope")]
 
 
-@kd.kernel(static=("NOPE", "R2", "DL"), checks=_ABS_KV_CHECKS,
+@kd.kernel(static=("NOPE", "R2", "DL", "H", "S"), checks=_ABS_KV_CHECKS,
            example={"T": 1, "H": 64, "DQK": 192, "NOPE": 128, "R2": 32, "DL": 512, "DQ": 576, "NK": 576,
                     "NP": 4096, "PS": 64, "S": 1})
 def mla_q_absorb_kv(q: kd.In["T", "H", "DQK", kd.bf16], wuk: kd.In["H", "NOPE", "DL", kd.bf16],
@@ -175,13 +198,16 @@ def mla_q_absorb_kv(q: kd.In["T", "H", "DQK", kd.bf16], wuk: kd.In["H", "NOPE", 
                     out: kd.Out["T", "H", "DQ", kd.bf16], kv: kd.InOut["NP", "PS", "DQ", kd.bf16],
                     eps: kd.Scalar[kd.f32]):
     """mla_q_absorb plus the cache append of mla_prep_qkv: out[t, h] = (q_nope @ W_UK[h]) |
-    rope(q_pe), and the program of head 0 and the first DL tile also writes its rows' cache rows
-    rmsnorm(kva latent) * wkv | rope(k_pe) at slots[t] (exactly one program per row: no two
-    programs store the same cache row). kva holds the kv part of the q_a|kv_a GEMM as split-K
-    partials [S, T, DL + R] f32 (ops.gemm.gemm_bf16_splitk; S = 1 one f32 row), added in split
-    order and rounded to bf16 as the GEMM's bf16 output would be. The q_b GEMM before it reads the
-    q_a part of the same partials (ops.gemm.gemm_bf16_rmsnorm), so the MLA front needs no separate
-    prep launch."""
+    rope(q_pe), then the cache rows rmsnorm(kva latent) * wkv | rope(k_pe) at slots[t]: row r of a
+    row tile is appended by the tile's program of rank r (rank = h x DL tiles + DL tile; with fewer
+    ranks P than rows, rank r mod P in unrolled trips), exactly one program per row, and a program
+    that owns no real row returns before the append, so the append costs one row per writer (not a
+    masked BLOCK_T-row tile in every program). H and S are static for that: the trips and the
+    unrolled split sum (`_split_row`) are straight-line code in the ISA, which the cost model counts
+    in full. kva holds the kv part of the q_a|kv_a GEMM as split-K partials [S, T, DL + R] f32
+    (ops.gemm.gemm_bf16_splitk; S = 1 one f32 row), added in split order and rounded to bf16 as the
+    GEMM's bf16 output would be. The q_b GEMM before it reads the q_a part of the same partials
+    (ops.gemm.gemm_bf16_rmsnorm), so the MLA front needs no separate prep launch."""
     t, c, h = kd.grid(kd.tile("T", "BLOCK_T", domain=(1, 2, 4, 16, 32, 64), default=1),
                       kd.tile("DL", "BLOCK_C", domain=(32, 64, 128, 256, 512), default=128), kd.each("H"))
     NOPE = kd.static("NOPE")
@@ -197,10 +223,17 @@ def mla_q_absorb_kv(q: kd.In["T", "H", "DQK", kd.bf16], wuk: kd.In["H", "NOPE", 
     x1 = q[t, h, NOPE + i * 2 + 1].to(kd.f32)
     out.store(t, h, DL + i * 2, value=x0 * cs - x1 * sn, mask=first)
     out.store(t, h, DL + i * 2 + 1, value=x1 * cs + x0 * sn, mask=first)
-    # the head-0 program of the first DL tile appends its rows (a [rows] mask: the interpreter
-    # rejects a scalar bool in a vector mask)
-    writer = (t * 0 + h + c.start) == 0
-    _append_rows(kva, t, writer, wkv, i, cs, sn, slots, kv, eps)
+    # the cache append: row r of the tile goes to the program of rank r mod P (P ranks = heads x DL
+    # tiles; trip r // P of an unrolled loop, trips past the first masked by the row count); a
+    # program past the tile's last real row leaves here
+    ntiles = -(-DL // c.size)
+    ranks = kd.static("H") * ntiles
+    rank = h * ntiles + c.start // c.size
+    rows = kd.minimum(kd.dim("T") - t.start, t.size)
+    kd.exit_if(rank >= rows)
+    for j in range(-(-t.size // ranks)):
+        row = t.start + rank + j * ranks
+        _append_row(kva, row, None if j == 0 else rank + j * ranks < rows, wkv, slots, cos, sin, kv, eps)
 
 
 _NEG_BIG = -1.0e30  # ops.mla.NEG_BIG: the combine's finite start of the running max

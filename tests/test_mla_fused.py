@@ -243,15 +243,42 @@ def test_q_absorb_append_skips_padding_and_slots_past_the_cache():
             F.q_absorb_append(q, wuk, cos, sin, qkv[:, 24:], wkv, slots, kv, 1e-6, backend=backend, validate=True)
 
 
-def test_q_absorb_append_stores_are_bounded_and_single_writer():
-    """The page index comes from a loaded slot: the DSL bounds the cache stores by NP; the stores
-    and every load of the kv partials (the first split and the split loop of each of the three
-    column groups) carry the writer mask (head 0, first DL tile)."""
-    src = F.mla_q_absorb_kv.source({}, "gfx942")
+def test_q_absorb_append_stores_are_bounded_and_only_writers_append():
+    """The page index comes from a loaded slot: the DSL bounds the cache stores by NP. The append
+    (every load of the kv partials and every cache store) comes after the early return of the
+    programs that own no row, and its split sum is unrolled (no loop the ISA report would count once)."""
+    src = F.mla_q_absorb_kv.source({"BLOCK_T": 16, "BLOCK_C": 64}, "gfx942", {"S": 4, "H": 8})
     assert "bounded gather: kv index 0 (dim NP)" in src and "gathers_bounded" in src
-    loads = [ln for ln in src.splitlines() if "tl.load(kva_ptr" in ln]
-    assert src.count("& (keep[:, None])") == 3 and len(loads) == 6
-    assert all("row_mask[" in ln for ln in loads)
+    lines = src.splitlines()
+    exit_at = next(i for i, ln in enumerate(lines) if ln.strip() == "return")
+    kva = [i for i, ln in enumerate(lines) if "tl.load(kva_ptr" in ln]
+    stores = [i for i, ln in enumerate(lines) if "tl.store(kv_ptr" in ln]
+    # three column groups (latent, the two rope halves): the first split and the unrolled rest each
+    assert len(kva) == 3 * 2 and len(stores) == 3 and min(kva + stores) > exit_at
+    assert not [ln for ln in lines[exit_at:] if ln.strip().startswith("for ") and "static_range" not in ln]
+
+
+@pytest.mark.parametrize("H,C,cfg", [(1, 40, {"BLOCK_T": 16, "BLOCK_C": 64, "BLOCK_K": 16}),
+                                     (3, 64, {"BLOCK_T": 16, "BLOCK_C": 32, "BLOCK_K": 16}),
+                                     (2, 64, {"BLOCK_T": 4, "BLOCK_C": 32, "BLOCK_K": 16})])
+def test_q_absorb_append_rows_past_the_programs_of_a_tile(H, C, cfg):
+    """A row tile with more rows than programs (heads x DL tiles) appends its later rows in the
+    later unrolled trips: every row of a ragged batch reaches its slot bit for bit as on the torch
+    backend (S 2 partials), padding stores nothing, every other cache row keeps its poison."""
+    NP, PS, QL, T, R = 6, 4, 24, 19, 8
+    q, wuk, cos, sin, qkv, wkv, slots = _append_case(T, H, 16, R, C, NP, PS, seed=31 + H, q_lora=QL)
+    slots[5] = -1
+    part = _partials_of(qkv[:, QL:], 2, seed=H)
+    kv_new, kv_ref = (torch.full((NP, PS, C + R), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+    out = F.q_absorb_append(q, wuk, cos, sin, part, wkv, slots, kv_new, 1e-6, config=cfg)
+    F.q_absorb_append(q, wuk, cos, sin, part, wkv, slots, kv_ref, 1e-6, backend="torch")
+    assert torch.equal(out, F.q_absorb(q, wuk, cos, sin, config=cfg))
+    flat = lambda kv: kv.view(-1, C + R)  # noqa: E731
+    written = torch.zeros(NP * PS, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    assert not flat(kv_new)[written].isnan().any()
+    assert torch.equal(flat(kv_new)[written], flat(kv_ref)[written])
+    assert flat(kv_new)[~written].isnan().all()
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
