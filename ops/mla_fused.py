@@ -250,7 +250,7 @@ def mla_combine_uv(part: kd.In["BQ", "H", "S", "DL", kd.f32], lse: kd.In["BQ", "
     the same) adds an exact zero, so a row's result does not depend on how many splits the launch
     has beyond its own; BLOCK_S changes the summation order, so it is a numerics key."""
     m, v, h = kd.grid(kd.tile("BQ", "BLOCK_M", domain=(1, 2, 4, 16, 32), default=1),
-                      kd.tile("V", "BLOCK_V", domain=(32, 64, 128, 256), default=128), kd.each("H"))
+                      kd.tile("V", "BLOCK_V", domain=(16, 32, 64, 128, 256), default=128), kd.each("H"))
 
     def ctile(c, y):
         def merge(s, m_i, l_i, acc):
@@ -266,7 +266,7 @@ def mla_combine_uv(part: kd.In["BQ", "H", "S", "DL", kd.f32], lse: kd.In["BQ", "
         o = (acc / kd.where(l_i > 0, l_i, 1.0)).to(kd.bf16)
         return y + kd.dot(o, wuv[h, c, v])
 
-    cs = kd.tiles("DL", block="BLOCK_C", domain=(16, 32, 64, 128), default=64, label="c")
+    cs = kd.tiles("DL", block="BLOCK_C", domain=(16, 32, 64, 128, 256, 512), default=64, label="c")
     out[m, h, v] = kd.fold(cs, kd.zeros((m, v), kd.f32), ctile)
 
 

@@ -346,7 +346,9 @@ def test_combine_uv_block_s_matches_reference(block_s, S):
     """BLOCK_S splits a step, S a multiple of it or not, against the plain-torch merge."""
     BQ, H, C, V = 3, 2, 32, 24
     part, lse, w = _combine_case(BQ, H, S, C, V, seed=10 + S + block_s)
-    for cfg in ({"BLOCK_M": 1, "BLOCK_V": 32, "BLOCK_C": 16}, {"BLOCK_M": 4, "BLOCK_V": 32, "BLOCK_C": 32}):
+    # the last: one DL tile wider than the latent and V in 16-column programs (the decode step's shape)
+    for cfg in ({"BLOCK_M": 1, "BLOCK_V": 32, "BLOCK_C": 16}, {"BLOCK_M": 4, "BLOCK_V": 32, "BLOCK_C": 32},
+                {"BLOCK_M": 1, "BLOCK_V": 16, "BLOCK_C": 256}):
         out = poisoned((BQ, H, V), torch.bfloat16)
         F.mla_combine_uv(part, lse, w, out, config={**cfg, "BLOCK_S": block_s})
         assert not out.isnan().any() and (out[-1, -1] == 0).all()
