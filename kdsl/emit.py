@@ -307,6 +307,23 @@ class Emitter:
         r = n.results[0]
         self.w(f"{r.name} = tl.broadcast_to({self.aligned(n.a.x, r.axes)}, {self.shape(r.axes)})")
 
+    def op_pad(self, n: Node) -> None:
+        """Double the padded axis until it is the target's size: join with zeros (a new last dim),
+        move that dim in front of the axis, merge the two (x's rows first)."""
+        r, x = n.results[0], n.a.x
+        pos, nd = x.axes.index(n.a.axis), len(x.axes)
+        shape = [ax.size for ax in x.axes]
+        cur = self.ref(x)
+        perm = tuple(list(range(pos)) + [nd] + list(range(pos, nd)))
+        dt = tl_type(x.dtype)
+        while shape[pos] < n.a.to.size:
+            zeros = f"tl.full({tuple(shape)}, 0, {dt})"
+            shape[pos] *= 2
+            nxt = self.fresh("pad")
+            self.w(f"{nxt} = tl.reshape(tl.permute(tl.join({cur}, {zeros}), {perm}), {tuple(shape)})")
+            cur = nxt
+        self.w(f"{r.name} = {cur}")
+
     def op_dot(self, n: Node) -> None:
         f = n.a
         a, b, acc = f.a, f.b, f.acc

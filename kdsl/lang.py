@@ -470,6 +470,28 @@ def broadcast(x: Value, axes: Sequence[Value | Axis]) -> Value:
     return out
 
 
+def pad(x: Value, axis: Value | Axis, to: Value | Axis) -> Value:
+    """`x` with its `axis` widened to the tile `to` (a power-of-two multiple of it): x's values in
+    the first `axis.size` positions, zeros in the rest. A few-row tile thus feeds a 16-row matrix
+    dot without computing its padding rows (a zero row changes no other row's products). Lowers to
+    register-level joins (no arithmetic). Masks over `axis` are dropped: the result is defined
+    everywhere, `to` carries its own."""
+    c = ctx()
+    a = axis if isinstance(axis, Axis) else axis.axes[0]
+    b = to if isinstance(to, Axis) else to.axes[0]
+    if a not in x.axes:
+        raise c.error(f"pad: {a!r} is not an axis of {x!r}")
+    if b in x.axes:
+        raise c.error(f"pad: {x!r} already has the target axis {b!r}")
+    if b.size < a.size or b.size % a.size:
+        raise c.error(f"pad: the target tile {b!r} must be a power-of-two multiple of {a!r}")
+    axes = tuple(b if ax is a else ax for ax in x.axes)
+    masks = frozenset(mk for mk in x.masks if a not in mk.axes)
+    out = Value(x.dtype, axes, masks, hint="pad")
+    c.add("pad", [out], x=x, axis=a, to=b)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # tunables, dims, grids and ranges
 

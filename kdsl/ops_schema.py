@@ -237,6 +237,8 @@ RECORDS: dict[str, OpRecord] = {r.name: r for r in (
     _rec("iota", (), (AttrSpec("axis", AXIS),), doc="0..size-1 over an existing axis"),
     _rec("full", (), (AttrSpec("value", NUMBER), AttrSpec("dtype", DTYPE)), rule=_result_dtype),
     _rec("broadcast", _X),
+    _rec("pad", _X, (AttrSpec("axis", AXIS), AttrSpec("to", AXIS)), rule=_axis_of_x(),
+         doc="x with `axis` widened to the tile `to`, zeros past x"),
     _rec("binary", (OperandSpec("lhs", VALUE), OperandSpec("rhs", VALUE)),
          (_op(*_BINARY_OPS), AttrSpec("dtype", DTYPE), _ELEMENTWISE_ROUND), rule=_result_dtype,
          doc="lhs op rhs, computed in dtype"),

@@ -205,6 +205,47 @@ def splitk_rows(part, rows, cols, row_mask=None):
 
 
 NORM_K_DOMAIN = (64, 128, 256, 512, 1024, 2048, 4096)
+NORM_BM_DOMAIN = (1, 2, 4, 8, 16, 32, 64, 128)
+MMA_ROWS = 16  # the fewest rows of a matrix dot (MFMA / wgmma)
+
+
+def _mma_rows(m):
+    """The matrix dot's 16-row tile for a grid tile `m` under 16 rows: from m's first row, the rows
+    past `m` masked off (kd.pad fills them with zeros). BLOCK_M stays a numerics key: a row's place
+    in the 16 rows can change its bits (the interpreter's f32 matmul)."""
+    return kd.span(m.start, MMA_ROWS, kd.minimum(kd.dim("M"), m.start + m.size), "Mp")
+
+
+def _tile_squares(x, m):
+    """sum(xr * xr) over K of the rows of a tile of 16+ rows, all rows in one 2-D reduction per
+    NORM_K tile (the per-row walk of `_row_squares` would let Triton redo the A tile's elementwise
+    work in every warp of the unpadded dot: 4x the VALU)."""
+    nk = kd.tiles("K", block="NORM_K", domain=NORM_K_DOMAIN, default=256, label="kn")
+
+    def squares(k, s):
+        v = splitk_rows(x, m, k)
+        return s + kd.sum(v * v, axis=k)
+
+    return kd.fold(nk, kd.zeros((m,), kd.f32), squares)
+
+
+def _row_squares(x, m):
+    """sum(xr * xr) over K of each real row of the tile `m` (rows past M are 0), one row at a time:
+    a row's sum runs over 1-D NORM_K tiles, so its order depends on NORM_K and num_warps only,
+    never on BLOCK_M (a tile's rows do not share one reduction layout), and rows past M cost
+    nothing."""
+    nk = kd.tiles("K", block="NORM_K", domain=NORM_K_DOMAIN, default=256, label="kn")
+
+    def row(r, ss):
+        def squares(k, acc):
+            v = splitk_rows(x, r, k)
+            return acc + kd.sum(v * v, axis=k)
+
+        total = kd.fold(nk, kd.zeros((), kd.f32), squares)
+        return kd.where(m == r, total, ss)
+
+    return kd.fold(kd.indices(kd.minimum(kd.dim("M"), m.start + m.size), start=m.start, label="row"),
+                   kd.zeros((m,), kd.f32), row)
 
 
 @kd.kernel(name="gemm_bf16_rmsnorm", example={"S": 1, "M": 1, "N": 12288, "K": 1536})
@@ -213,25 +254,24 @@ def gemm_bf16_rmsnorm_kernel(x: kd.In["S", "M", "K", kd.f32], xw: kd.In["K", kd.
     """out = bf16(rmsnorm(xr) * xw) @ w^T, xr = bf16(x[0] + ... + x[S-1]) the row of split-K
     partials (gemm_bf16_splitk; S = 1 an f32 row): the split sum and the norm in a prologue, so
     neither the q_a rows nor the normed rows leave the program (MLA's q_b GEMM reads the q_a columns
-    of the q_a|kv_a partials in place). Each program sums its rows' squares over K in f32 (NORM_K-wide
-    tiles: at NORM_K >= K one reduction, the order of ops.mla_fused.mla_prep_qkv), then scales each
-    A tile by rstd * xw and rounds it to bf16 before the dot, the expressions and rounding of that
-    kernel's q_c."""
-    m, n = _tiles()
-    nk = kd.tiles("K", block="NORM_K", domain=NORM_K_DOMAIN, default=256, label="kn")
-
-    def squares(k, s):
-        v = splitk_rows(x, m, k)
-        return s + kd.sum(v * v, axis=k)
-
-    ss = kd.fold(nk, kd.zeros((m,), kd.f32), squares)
-    rstd = kd.rsqrt(ss / kd.dim("K") + eps)
+    of the q_a|kv_a partials in place). Each program sums each of its real rows' squares over K in
+    f32, one row at a time (1-D NORM_K-wide tiles: at NORM_K >= K one reduction, the order of
+    ops.mla_fused.mla_prep_qkv), then scales each A tile by rstd * xw and rounds it to bf16 before
+    the dot, the expressions and rounding of that kernel's q_c. That elementwise work (the kernel's
+    cost at decode sizes) runs over the BLOCK_M rows of the tile only: a tile under 16 rows (no
+    padding rows at M=2) sums its squares a row at a time and kd.pad widens it with zero rows to
+    the 16 of the matrix dot; 16+ rows (prefill) sum in one 2-D reduction per NORM_K tile."""
+    m, n = kd.grid(kd.tile("M", "BLOCK_M", domain=NORM_BM_DOMAIN, default=16),
+                   kd.tile("N", "BLOCK_N", domain=BN_DOMAIN, default=64))
+    small = m.size < MMA_ROWS
+    mm = _mma_rows(m) if small else m
+    rstd = kd.rsqrt((_row_squares(x, m) if small else _tile_squares(x, m)) / kd.dim("K") + eps)
 
     def body(k, acc):
         a = (splitk_rows(x, m, k) * rstd * xw[k].to(kd.f32)).to(kd.bf16)
-        return acc + kd.dot(a, w[n, k])
+        return acc + kd.dot(kd.pad(a, m, mm) if small else a, w[n, k])
 
-    out[m, n] = kd.fold(_k(64), kd.zeros((m, n), kd.f32), body)
+    out[mm, n] = kd.fold(_k(64), kd.zeros((mm, n), kd.f32), body)
 
 
 KERNELS = (gemm_bf16_kernel, gemm_fp8_kernel, gemm_w8a8_kernel, gemm_w4a8_kernel, gemm_w4a8_order_kernel,

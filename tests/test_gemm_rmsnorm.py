@@ -4,7 +4,8 @@ split-K partials of gemm_bf16_splitk (S = 1, 3, 4): with partials, bit-identical
 row of their split-order sum (ops.gemm.splitk_sum_ref), and within the bounds below of the reference.
 
 Tolerances: with NORM_K >= K (one sum-of-squares reduction, the order of mla_prep_qkv) bit-exact
-against the two-launch path mla_prep's q_c + gemm_bf16 at the same tiles on the interpreter; with a
+against the two-launch path mla_prep's q_c + gemm_bf16 on the interpreter (each BLOCK_M-row block
+through gemm_bf16's 16-row tile: the fused kernel zero-pads its rows to that dot); with a
 smaller NORM_K the sum order differs, so a normed element may move by one bf16 ulp: against the
 float64 reference over rmsnorm_ref, |err| <= 2 bf16 ulp of the output + 2^-7 x (|q_c| @ |w|^T)."""
 from __future__ import annotations
@@ -45,11 +46,14 @@ def _bound(x, xw, w, ref):
 @pytest.mark.parametrize("M,N,K,cfg", [
     (1, 40, 96, {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 128}),
     (3, 48, 64, {"BLOCK_M": 4, "BLOCK_N": 32, "BLOCK_K": 64, "NORM_K": 64}),
-    (5, 32, 96, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 128}),
-    (18, 72, 160, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "NORM_K": 256}),
+    (5, 32, 96, {"BLOCK_M": 8, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 128}),
+    (18, 72, 160, {"BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 64, "NORM_K": 256}),
+    (7, 40, 96, {"BLOCK_M": 2, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 128}),
+    (18, 40, 96, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 128}),
 ])
 def test_equals_prep_then_gemm_bit_for_bit(M, N, K, cfg):
-    """NORM_K >= K: q_c as mla_prep_qkv computes it, then the same GEMM tiles: identical bits."""
+    """NORM_K >= K: q_c as mla_prep_qkv computes it, then each BLOCK_M-row block through the same
+    GEMM tile (under 16 rows: the fused kernel's zero-padded 16-row dot): identical bits."""
     x, xw, w = _case(M, N, K, seed=M * 100 + N)
     out = poisoned((M, N), torch.bfloat16)
     G.gemm_bf16_rmsnorm_kernel(_one_split(x), xw, w, out, 1e-6, config=cfg)
@@ -60,14 +64,16 @@ def test_equals_prep_then_gemm_bit_for_bit(M, N, K, cfg):
     ang = torch.rand(M, R // 2)
     qc = F.mla_prep(qkv, xw, torch.ones(C).bfloat16(), ang.cos(), ang.sin(), torch.full((M,), -1),
                     torch.zeros(1, 4, C + R).bfloat16(), 1e-6, q_lora=K)
-    two = G.gemm_bf16(qc, w, config={k: v for k, v in cfg.items() if k != "NORM_K"})
+    tile = {**{k: v for k, v in cfg.items() if k != "NORM_K"}, "BLOCK_M": max(16, cfg["BLOCK_M"])}
+    bm = cfg["BLOCK_M"]
+    two = torch.cat([G.gemm_bf16(qc[i:i + bm], w, config=tile) for i in range(0, M, bm)])
     assert torch.equal(out, two)
     ref = G.gemm_bf16_rmsnorm_ref(x, xw, w, 1e-6)
     assert ((out.double() - ref.double()).abs() <= _bound(x, xw, w, ref)).all()
 
 
 @pytest.mark.parametrize("cfg", [{"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 64},
-                                 {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "NORM_K": 64}])
+                                 {"BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 64, "NORM_K": 64}])
 def test_split_norm_sum_within_bound(cfg):
     """NORM_K < K: the row sums in several tiles (another f32 order): within the stated bound."""
     x, xw, w = _case(6, 40, 200, seed=11)
@@ -97,7 +103,7 @@ def test_wrapper_backends_and_checks():
 
 
 @pytest.mark.parametrize("S,cfg", [(3, {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 64}),
-                                   (4, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "NORM_K": 256})])
+                                   (4, {"BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 64, "NORM_K": 256})])
 def test_split_partials_equal_their_bf16_sum(S, cfg):
     """x as split-K partials [S, M, K] f32 (a strided view: the q columns of a wider q|kv buffer):
     both the sum-of-squares pass and the A tiles read bf16(sum in split order), bit for bit what the

@@ -407,6 +407,44 @@ def test_split_then_combine():
 
 
 # ---------------------------------------------------------------------------------------------
+# kd.pad: a few-row tile widened with zero rows for a 16-row matrix dot
+
+@kd.kernel
+def i_pad_dot(x: kd.In["M", "K", kd.bf16], w: kd.In["N", "K", kd.bf16], out: kd.Out["M", "N", kd.f32]):
+    m, n = kd.grid(kd.tile("M", domain=(1, 2, 4, 8), default=2), kd.tile("N", domain=(16,), default=16))
+    mm = kd.span(m.start, 16, kd.minimum(kd.dim("M"), m.start + m.size), "Mp")
+    k = kd.arange(32, "K", kd.dim("K"))
+    a = (x[m, k].to(kd.f32) * 2.0).to(kd.bf16)   # elementwise work on the tile's rows only
+    out[mm, n] = kd.dot(kd.pad(a, m, mm), w[n, k])
+
+
+@pytest.mark.parametrize("bm", [1, 2, 4, 8])
+def test_pad_feeds_a_16_row_dot(bm):
+    """Rows past the tile are zeros and masked at the store: every BLOCK_M gives the product of its
+    rows, and no padding row is ever written."""
+    g = gen(21)
+    M, N, K = 11, 16, 32
+    x, w = torch.randn(M, K, generator=g).bfloat16(), torch.randn(N, K, generator=g).bfloat16()
+    out = poisoned((M, N), torch.float32)
+    i_pad_dot(x, w, out, config={"BLOCK_M": bm})
+    ref = (2.0 * x.double()) @ w.double().T
+    assert not out.isnan().any()
+    assert ((out.double() - ref).abs() <= 2.0 ** -22 * ((2.0 * x.double()).abs() @ w.double().abs().T)).all()
+    src = i_pad_dot.source({"BLOCK_M": 2}, "gfx942")
+    assert src.count("tl.join(") == 3 and "tl.dot(" in src   # 2 -> 4 -> 8 -> 16 rows, no arithmetic
+
+
+def test_pad_rejects_a_bad_target():
+    @kd.kernel
+    def bad(x: kd.In["M", kd.f32], out: kd.Out["M", kd.f32]):
+        m, = kd.grid(kd.tile("M", domain=(4,), default=4))
+        out[m] = kd.pad(x[m], m, kd.arange(2, "r"))
+
+    with pytest.raises(kd.TraceError, match="power-of-two multiple"):
+        bad.source({})
+
+
+# ---------------------------------------------------------------------------------------------
 # generated source: DSL line comments and the dot-accumulate fusion
 
 def test_source_points_to_dsl_lines():
