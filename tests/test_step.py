@@ -356,9 +356,9 @@ def test_tune_model_dry_run_lists_the_step_problems(capsys):
 
     assert main(["tune-model", "--config", "kimi-k2.5", "--arch", "gfx942", "--dry-run", "--q-lens", "1"]) == 0
     out = capsys.readouterr().out
-    # N=4096: the shared expert's split-K gate|up GEMM, then SiLU*up and down over its 4 splits;
-    # N=2112: q_a|kv_a as one split-K GEMM
-    for want in ("gemm_bf16_splitk N=4096,K=7168", "gemm_bf16_swiglu N=7168,I=2048,S=4", "gemm_bf16_splitk N=2112,K=7168",
+    # N=4480: the shared expert's gate|up rows and the router's rows as one split-K GEMM, then SiLU*up
+    # and down over its 4 splits; N=2112: q_a|kv_a as one split-K GEMM
+    for want in ("gemm_bf16_splitk N=4480,K=7168", "gemm_bf16_swiglu N=7168,I=2048,S=4", "gemm_bf16_splitk N=2112,K=7168",
                  "mla_decode_split QL=1,H=64,DL=512,DR=64,PS=64", "moe_stage1_w4a8 E=384,K=7168,I=2048,TOPK=8",
                  "rmsnorm_add_quant D=7168", "moe_combine_norm D=7168,TOPK=8", "moe_route_align E=384,TOPK=8,NG=1,EA=384,BM=16",
                  "gemm_bf16 N=163840,K=7168"):
