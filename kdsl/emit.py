@@ -308,19 +308,28 @@ class Emitter:
         self.w(f"{r.name} = tl.broadcast_to({self.aligned(n.a.x, r.axes)}, {self.shape(r.axes)})")
 
     def op_pad(self, n: Node) -> None:
-        """Double the padded axis until it is the target's size: join with zeros (a new last dim),
-        move that dim in front of the axis, merge the two (x's rows first)."""
-        r, x = n.results[0], n.a.x
+        """Double the padded axis until it is the target's size: join (a new last dim), move that dim
+        in front of the axis, merge the two. No offset: join with zeros (x's rows first, no
+        arithmetic). An offset: join x with itself (x repeated to.size / size times), then keep the
+        copy at block offset // size and zero the others (one select)."""
+        r, x, off = n.results[0], n.a.x, n.a.offset
         pos, nd = x.axes.index(n.a.axis), len(x.axes)
         shape = [ax.size for ax in x.axes]
+        size = shape[pos]
         cur = self.ref(x)
         perm = tuple(list(range(pos)) + [nd] + list(range(pos, nd)))
         dt = tl_type(x.dtype)
         while shape[pos] < n.a.to.size:
-            zeros = f"tl.full({tuple(shape)}, 0, {dt})"
+            other = f"tl.full({tuple(shape)}, 0, {dt})" if off is None else cur
             shape[pos] *= 2
             nxt = self.fresh("pad")
-            self.w(f"{nxt} = tl.reshape(tl.permute(tl.join({cur}, {zeros}), {perm}), {tuple(shape)})")
+            self.w(f"{nxt} = tl.reshape(tl.permute(tl.join({cur}, {other}), {perm}), {tuple(shape)})")
+            cur = nxt
+        if off is not None and shape[pos] > size:
+            index = "[" + ", ".join(":" if d == pos else "None" for d in range(nd)) + "]"
+            block = f"(tl.arange(0, {shape[pos]}) // {size}){index if nd > 1 else ''}"
+            nxt = self.fresh("pad")
+            self.w(f"{nxt} = tl.where({block} == ({self.ref(off)} // {size}), {cur}, tl.full({tuple(shape)}, 0, {dt}))")
             cur = nxt
         self.w(f"{r.name} = {cur}")
 

@@ -470,12 +470,14 @@ def broadcast(x: Value, axes: Sequence[Value | Axis]) -> Value:
     return out
 
 
-def pad(x: Value, axis: Value | Axis, to: Value | Axis) -> Value:
-    """`x` with its `axis` widened to the tile `to` (a power-of-two multiple of it): x's values in
-    the first `axis.size` positions, zeros in the rest. A few-row tile thus feeds a 16-row matrix
-    dot without computing its padding rows (a zero row changes no other row's products). Lowers to
-    register-level joins (no arithmetic). Masks over `axis` are dropped: the result is defined
-    everywhere, `to` carries its own."""
+def pad(x: Value, axis: Value | Axis, to: Value | Axis, offset: Value | int = 0) -> Value:
+    """`x` with its `axis` widened to the tile `to` (a power-of-two multiple of it): x's values at
+    positions [offset, offset + axis.size), zeros elsewhere. A few-row tile thus feeds a 16-row
+    matrix dot without computing its padding rows (a zero row changes no other row's products);
+    `offset` (a runtime multiple of axis.size below to.size) keeps each row at its own place in the
+    16 (row mod 16), so the dot meets a row at the same position whatever the tile size. Lowers to
+    register-level joins (offset 0: with zeros, no arithmetic; else x repeated and one select).
+    Masks over `axis` are dropped: the result is defined everywhere, `to` carries its own."""
     c = ctx()
     a = axis if isinstance(axis, Axis) else axis.axes[0]
     b = to if isinstance(to, Axis) else to.axes[0]
@@ -485,10 +487,18 @@ def pad(x: Value, axis: Value | Axis, to: Value | Axis) -> Value:
         raise c.error(f"pad: {x!r} already has the target axis {b!r}")
     if b.size < a.size or b.size % a.size:
         raise c.error(f"pad: the target tile {b!r} must be a power-of-two multiple of {a!r}")
+    if isinstance(offset, Value):
+        if offset.axes or offset.dtype.is_float:
+            raise c.error(f"pad: offset must be a scalar integer, got {offset!r}")
+    elif not isinstance(offset, int) or offset < 0 or offset >= b.size or offset % a.size:
+        raise c.error(f"pad: offset must be a multiple of {a.size} below {b.size}, got {offset!r}")
     axes = tuple(b if ax is a else ax for ax in x.axes)
     masks = frozenset(mk for mk in x.masks if a not in mk.axes)
     out = Value(x.dtype, axes, masks, hint="pad")
-    c.add("pad", [out], x=x, axis=a, to=b)
+    if isinstance(offset, int) and offset == 0:
+        c.add("pad", [out], x=x, axis=a, to=b)
+    else:
+        c.add("pad", [out], x=x, offset=offset, axis=a, to=b)
     return out
 
 

@@ -205,15 +205,20 @@ def splitk_rows(part, rows, cols, row_mask=None):
 
 
 NORM_K_DOMAIN = (64, 128, 256, 512, 1024, 2048, 4096)
-NORM_BM_DOMAIN = (1, 2, 4, 8, 16, 32, 64, 128)
+NORM_BM_DOMAIN = (1, 2, 4, 8, 16)  # one 16-row matrix dot per tile: BLOCK_M only launches
 MMA_ROWS = 16  # the fewest rows of a matrix dot (MFMA / wgmma)
 
 
 def _mma_rows(m):
-    """The matrix dot's 16-row tile for a grid tile `m` under 16 rows: from m's first row, the rows
-    past `m` masked off (kd.pad fills them with zeros). BLOCK_M stays a numerics key: a row's place
-    in the 16 rows can change its bits (the interpreter's f32 matmul)."""
-    return kd.span(m.start, MMA_ROWS, kd.minimum(kd.dim("M"), m.start + m.size), "Mp")
+    """The matrix dot's 16-row tile for a grid tile `m` under 16 rows: the aligned 16 rows that hold
+    `m` ([m16, m16 + 16), m16 = m.start rounded down to 16), rows past M or m masked off, and m's
+    place in them (m.start - m16, for kd.pad). A row meets the dot at position row mod 16 whatever
+    BLOCK_M is, so BLOCK_M only launches: a row's bits do not depend on it (the interpreter's f32
+    matmul can give a row different bits at a different position). The rows before m.start belong to
+    other programs: the store masks them (`m.start <= mm`)."""
+    m16 = m.start // MMA_ROWS * MMA_ROWS
+    mm = kd.span(m16, MMA_ROWS, kd.minimum(kd.dim("M"), m.start + m.size), "Mp")
+    return mm, m.start - m16
 
 
 def _tile_squares(x, m):
@@ -259,19 +264,29 @@ def gemm_bf16_rmsnorm_kernel(x: kd.In["S", "M", "K", kd.f32], xw: kd.In["K", kd.
     ops.mla_fused.mla_prep_qkv), then scales each A tile by rstd * xw and rounds it to bf16 before
     the dot, the expressions and rounding of that kernel's q_c. That elementwise work (the kernel's
     cost at decode sizes) runs over the BLOCK_M rows of the tile only: a tile under 16 rows (no
-    padding rows at M=2) sums its squares a row at a time and kd.pad widens it with zero rows to
-    the 16 of the matrix dot; 16+ rows (prefill) sum in one 2-D reduction per NORM_K tile."""
+    padding rows at M=2) sums its squares a row at a time (ROW_SQUARES=1) and kd.pad places it at
+    its own rows of the aligned 16 of the matrix dot (zeros around it), so a row's bits do not depend
+    on BLOCK_M (1 to 16: a launch-only key, each M bucket takes its own); a 16-row tile may instead
+    sum in one 2-D reduction per NORM_K tile (ROW_SQUARES=0: less VALU at prefill, other bits)."""
     m, n = kd.grid(kd.tile("M", "BLOCK_M", domain=NORM_BM_DOMAIN, default=16),
                    kd.tile("N", "BLOCK_N", domain=BN_DOMAIN, default=64))
+    by_row = kd.tunable("ROW_SQUARES", (0, 1), 1, "sum the squares a row at a time (any BLOCK_M) or in one "
+                        "2-D reduction per NORM_K tile (BLOCK_M=16 only): a numerics key, BLOCK_M is not")
     small = m.size < MMA_ROWS
-    mm = _mma_rows(m) if small else m
-    rstd = kd.rsqrt((_row_squares(x, m) if small else _tile_squares(x, m)) / kd.dim("K") + eps)
+    kd.require(by_row or not small, "BLOCK_M under 16 sums its squares a row at a time (ROW_SQUARES=1)",
+               "ROW_SQUARES")
+    mm, place = _mma_rows(m) if small else (m, 0)
+    rstd = kd.rsqrt((_row_squares(x, m) if by_row else _tile_squares(x, m)) / kd.dim("K") + eps)
 
     def body(k, acc):
         a = (splitk_rows(x, m, k) * rstd * xw[k].to(kd.f32)).to(kd.bf16)
-        return acc + kd.dot(kd.pad(a, m, mm) if small else a, w[n, k])
+        return acc + kd.dot(kd.pad(a, m, mm, offset=place) if small else a, w[n, k])
 
-    out[mm, n] = kd.fold(_k(64), kd.zeros((mm, n), kd.f32), body)
+    acc = kd.fold(_k(64), kd.zeros((mm, n), kd.f32), body)
+    if small:
+        kd.store(out, (mm, n), acc, mask=m.start <= mm)
+    else:
+        out[mm, n] = acc
 
 
 KERNELS = (gemm_bf16_kernel, gemm_fp8_kernel, gemm_w8a8_kernel, gemm_w4a8_kernel, gemm_w4a8_order_kernel,

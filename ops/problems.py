@@ -173,7 +173,10 @@ MODELS: list[ProblemModel] = [
     ProblemModel("gemm_bf16_rmsnorm", ("N", "K"), peak_dtype="bf16",
                  bytes_fn=lambda p, m: _gemm(2, 2, "bf16")[0](p, m) + 2 * p["K"],
                  flops_fn=lambda p, m: _gemm(2, 2, "bf16")[1](p, m) + 4.0 * m * p["K"], shared_numerics=True,
-                 derived=lambda p, m, c: {"S": p.get("S", 1)}),
+                 derived=lambda p, m, c: {"S": p.get("S", 1)},
+                 # a row sits at its own place (row mod 16) of one aligned 16-row dot at any BLOCK_M;
+                 # ROW_SQUARES, the numerics key, admits the BLOCK_M values of its mode
+                 launch_keys=("BLOCK_M",)),
     # split-K: the floor of the plain GEMM; the f32 partials [S, M, N] written and read back once by
     # the consumers are the split's extra traffic; S = SPLIT_K more programs, each looping over KS
     ProblemModel("gemm_bf16_splitk", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],

@@ -4,8 +4,9 @@ split-K partials of gemm_bf16_splitk (S = 1, 3, 4): with partials, bit-identical
 row of their split-order sum (ops.gemm.splitk_sum_ref), and within the bounds below of the reference.
 
 Tolerances: with NORM_K >= K (one sum-of-squares reduction, the order of mla_prep_qkv) bit-exact
-against the two-launch path mla_prep's q_c + gemm_bf16 on the interpreter (each BLOCK_M-row block
-through gemm_bf16's 16-row tile: the fused kernel zero-pads its rows to that dot); with a
+against the two-launch path mla_prep's q_c + gemm_bf16 on the interpreter (gemm_bf16's 16-row tile:
+the fused kernel places its BLOCK_M rows at their own rows of the aligned 16, zeros around them, so
+BLOCK_M changes no bit: test_block_m_changes_no_bit); with a
 smaller NORM_K the sum order differs, so a normed element may move by one bf16 ulp: against the
 float64 reference over rmsnorm_ref, |err| <= 2 bf16 ulp of the output + 2^-7 x (|q_c| @ |w|^T)."""
 from __future__ import annotations
@@ -64,9 +65,8 @@ def test_equals_prep_then_gemm_bit_for_bit(M, N, K, cfg):
     ang = torch.rand(M, R // 2)
     qc = F.mla_prep(qkv, xw, torch.ones(C).bfloat16(), ang.cos(), ang.sin(), torch.full((M,), -1),
                     torch.zeros(1, 4, C + R).bfloat16(), 1e-6, q_lora=K)
-    tile = {**{k: v for k, v in cfg.items() if k != "NORM_K"}, "BLOCK_M": max(16, cfg["BLOCK_M"])}
-    bm = cfg["BLOCK_M"]
-    two = torch.cat([G.gemm_bf16(qc[i:i + bm], w, config=tile) for i in range(0, M, bm)])
+    tile = {**{k: v for k, v in cfg.items() if k != "NORM_K"}, "BLOCK_M": 16}
+    two = G.gemm_bf16(qc, w, config=tile)   # each row at its own place (row mod 16) of a 16-row tile
     assert torch.equal(out, two)
     ref = G.gemm_bf16_rmsnorm_ref(x, xw, w, 1e-6)
     assert ((out.double() - ref.double()).abs() <= _bound(x, xw, w, ref)).all()
@@ -127,3 +127,37 @@ def test_split_partials_equal_their_bf16_sum(S, cfg):
         G.gemm_bf16_rmsnorm(part[:0], xw, w, 1e-6)
     with pytest.raises(TypeError, match="split-K partials"):
         G.gemm_bf16_rmsnorm(part.double(), xw, w, 1e-6)
+
+
+BM_INVARIANT = {"BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 64, "ROW_SQUARES": 1}
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 16])
+def test_block_m_changes_no_bit(M):
+    """BLOCK_M is a launch-only key (each M bucket takes its own): every row's bits are the same at
+    BLOCK_M 1, 2, 4, 8, 16, since a row meets the 16-row dot at its own place (row mod 16) whatever
+    the tile; within the stated bound of the reference. The output is a view of a bigger poisoned
+    buffer: no row past M (nor of another program's part of the 16) is ever written."""
+    N, K, S = 32, 96, 2
+    g = torch.Generator().manual_seed(40 + M)
+    x = torch.randn(S, M, K, generator=g) * 3.0
+    xw, w = torch.randn(K, generator=g).bfloat16(), (torch.randn(N, K, generator=g) * 0.2).bfloat16()
+    outs = []
+    for bm in (1, 2, 4, 8, 16):
+        buf = poisoned((M + 16, N), torch.bfloat16)
+        G.gemm_bf16_rmsnorm_kernel(x, xw, w, buf[:M], 1e-6, config={**BM_INVARIANT, "BLOCK_M": bm})
+        assert buf[M:].isnan().all() and not buf[:M].isnan().any()
+        outs.append(buf[:M].clone())
+    for o in outs[1:]:
+        assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16))
+    xr = G.splitk_sum_ref(x)
+    ref = G.gemm_bf16_rmsnorm_ref(xr, xw, w, 1e-6)
+    assert ((outs[0].double() - ref.double()).abs() <= _bound(xr, xw, w, ref)).all()
+
+
+def test_small_tile_needs_row_squares():
+    """A tile under 16 rows sums its squares a row at a time: ROW_SQUARES=0 is rejected there."""
+    import kdsl as kd
+
+    with pytest.raises(kd.ConfigError, match="ROW_SQUARES"):
+        G.gemm_bf16_rmsnorm_kernel.source({**BM_INVARIANT, "BLOCK_M": 4, "ROW_SQUARES": 0}, "gfx942")

@@ -434,6 +434,45 @@ def test_pad_feeds_a_16_row_dot(bm):
     assert src.count("tl.join(") == 3 and "tl.dot(" in src   # 2 -> 4 -> 8 -> 16 rows, no arithmetic
 
 
+@kd.kernel
+def i_pad_dot_at(x: kd.In["M", "K", kd.bf16], w: kd.In["N", "K", kd.bf16], out: kd.Out["M", "N", kd.f32]):
+    m, n = kd.grid(kd.tile("M", domain=(1, 2, 4, 8, 16), default=2), kd.tile("N", domain=(16,), default=16))
+    m16 = m.start // 16 * 16
+    mm = kd.span(m16, 16, kd.minimum(kd.dim("M"), m.start + m.size), "Mp")
+    k = kd.arange(32, "K", kd.dim("K"))
+    a = (x[m, k].to(kd.f32) * 2.0).to(kd.bf16)
+    kd.store(out, (mm, n), kd.dot(kd.pad(a, m, mm, offset=m.start - m16), w[n, k]), mask=m.start <= mm)
+
+
+@pytest.mark.parametrize("bm", [1, 2, 4, 8, 16])
+def test_pad_at_an_offset_keeps_row_places(bm):
+    """offset: the tile's rows at their own rows of the aligned 16 (zeros around them), the others
+    masked at the store: every BLOCK_M gives the same bits, and nothing past M is written."""
+    g = gen(22)
+    M, N, K = 21, 16, 32
+    x, w = torch.randn(M, K, generator=g).bfloat16(), torch.randn(N, K, generator=g).bfloat16()
+    buf = poisoned((M + 16, N), torch.float32)
+    i_pad_dot_at(x, w, buf[:M], config={"BLOCK_M": bm})
+    full = poisoned((M, N), torch.float32)
+    i_pad_dot_at(x, w, full, config={"BLOCK_M": 16})
+    assert buf[M:].isnan().all() and torch.equal(buf[:M], full)
+    ref = (2.0 * x.double()) @ w.double().T
+    assert ((full.double() - ref).abs() <= 2.0 ** -22 * ((2.0 * x.double()).abs() @ w.double().abs().T)).all()
+    if bm < 16:
+        src = i_pad_dot_at.source({"BLOCK_M": bm}, "gfx942")
+        assert src.count("tl.join(") == (16 // bm).bit_length() - 1 and src.count("tl.where(") == 1
+
+
+def test_pad_rejects_a_bad_offset():
+    @kd.kernel
+    def bad_offset(x: kd.In["M", kd.f32], out: kd.Out["M", kd.f32]):
+        m, = kd.grid(kd.tile("M", domain=(4,), default=4))
+        out[m] = kd.pad(x[m], m, kd.arange(16, "r"), offset=6)
+
+    with pytest.raises(kd.TraceError, match="multiple of 4"):
+        bad_offset.source({})
+
+
 def test_pad_rejects_a_bad_target():
     @kd.kernel
     def bad(x: kd.In["M", kd.f32], out: kd.Out["M", kd.f32]):
