@@ -228,7 +228,7 @@ class _MoE:
         """The MoE half of a decoder layer on triton, from the (all-reduced) attention output `a` and
         the residual stream `h` (only read) to (the next norm's output, the new residual stream):
         rmsnorm_add(_quant) -> one split-K GEMM for the shared expert's gate|up and the router (its own
-        gate GEMM when the shared expert is not dense bf16), route + align (one launch at 1-2 tokens)
+        gate GEMM when the shared expert is not dense bf16), route + align (one launch up to 4 tokens)
         -> stage 1 -> stage 2 (partial rows) -> the shared expert's SiLU*up and down in one GEMM -> at
         world size 1 combine_norm (top-k sum
         in k order + shared + residual add + the next RMSNorm); at world size > 1 combine_rank (the
