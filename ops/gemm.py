@@ -210,15 +210,15 @@ NORM_BM_DOMAIN = (1, 2, 4, 8, 16)  # one 16-row matrix dot per tile: BLOCK_M onl
 MMA_ROWS = 16  # the fewest rows of a matrix dot (MFMA / wgmma)
 
 
-def _mma_rows(m):
+def _mma_rows(m, dim: str = "M"):
     """The matrix dot's 16-row tile for a grid tile `m` under 16 rows: the aligned 16 rows that hold
     `m` ([m16, m16 + 16), m16 = m.start rounded down to 16), rows past M or m masked off, and m's
     place in them (m.start - m16, for kd.pad). A row meets the dot at position row mod 16 whatever
     BLOCK_M is, so BLOCK_M only launches: a row's bits do not depend on it (the interpreter's f32
     matmul can give a row different bits at a different position). The rows before m.start belong to
-    other programs: the store masks them (`m.start <= mm`)."""
+    other programs: the store masks them (`m.start <= mm`). `dim`: the kernel's name of the row dim."""
     m16 = m.start // MMA_ROWS * MMA_ROWS
-    mm = kd.span(m16, MMA_ROWS, kd.minimum(kd.dim("M"), m.start + m.size), "Mp")
+    mm = kd.span(m16, MMA_ROWS, kd.minimum(kd.dim(dim), m.start + m.size), dim + "p")
     return mm, m.start - m16
 
 

@@ -37,7 +37,7 @@ import torch
 
 import kdsl as kd
 from ops._common import check_backend, check_slots, check_tensor, invariant_config, validating
-from ops.gemm import splitk_sum_ref
+from ops.gemm import MMA_ROWS, _mma_rows, splitk_sum_ref
 
 # ---------------------------------------------------------------------------------------------
 # kernel bodies
@@ -219,15 +219,27 @@ def mla_q_absorb_kv(q: kd.In["P", "T", "H", "DQK", kd.f32], wuk: kd.In["H", "NOP
     GEMM's bf16 output would be. The q_b GEMM before it reads the q_a part of the same partials
     (ops.gemm.gemm_bf16_rmsnorm), so the MLA front needs no separate prep launch; q comes as that
     GEMM's own split-K partials [P, T, H, DQK] f32 (P static, unrolled), added and rounded the same
-    way where a tile is loaded."""
-    t, c, h = kd.grid(kd.tile("T", "BLOCK_T", domain=(1, 2, 4, 16, 32, 64), default=1),
+    way where a tile is loaded. That elementwise work runs over the BLOCK_T rows of the tile only: a
+    tile under 16 rows is padded with zeros to the aligned 16 of the matrix dot, each row at its own
+    place (row mod 16: ops.gemm._mma_rows), so BLOCK_T (1 to 16) changes no bit and each M bucket
+    takes its own."""
+    t, c, h = kd.grid(kd.tile("T", "BLOCK_T", domain=(1, 2, 4, 8, 16), default=16),
                       kd.tile("DL", "BLOCK_C", domain=(32, 64, 128, 256, 512), default=128), kd.each("H"))
     NOPE = kd.static("NOPE")
     DL = kd.static("DL")
     ks = kd.tiles("NOPE", block="BLOCK_K", domain=(16, 32, 64, 128), default=64)
-    acc = kd.fold(ks, kd.zeros((t, c), kd.f32),
-                  lambda k, acc: acc + kd.dot(_split_q(q, t, h, k).to(kd.bf16), wuk[h, k, c]))
-    out[t, h, c] = acc
+    small = t.size < MMA_ROWS
+    tt, place = _mma_rows(t, "T") if small else (t, 0)
+
+    def absorb(k, acc):
+        a = _split_q(q, t, h, k).to(kd.bf16)
+        return acc + kd.dot(kd.pad(a, t, tt, offset=place) if small else a, wuk[h, k, c])
+
+    acc = kd.fold(ks, kd.zeros((tt, c), kd.f32), absorb)
+    if small:
+        kd.store(out, (tt, h, c), acc, mask=t.start <= tt)
+    else:
+        out[t, h, c] = acc
     i = kd.full_range("R2")
     first = (c.start + i * 0) == 0
     cs = cos[t, i]
