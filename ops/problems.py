@@ -594,8 +594,9 @@ MLA_FUSED_MODELS = [
                  derived=lambda p, m, c: {"DQK": p["NOPE"] + 2 * p["R2"], "DQ": p["DL"] + 2 * p["R2"],
                                           "NK": p["DL"] + 2 * p["R2"], "NP": 4096, "PS": 64, "S": p.get("S", 1),
                                           "P": p.get("P", 1)},
-                 # a row sits at its own place (row mod 16) of one aligned 16-row dot at any BLOCK_T
-                 shared_numerics=True, launch_keys=("BLOCK_T",)),
+                 # a row sits at its own place (row mod 16) of one aligned 16-row dot at any BLOCK_T; a
+                 # column sums over NOPE in BLOCK_K steps at any BLOCK_C
+                 shared_numerics=True, launch_keys=("BLOCK_T", "BLOCK_C")),
     # floor: W_UV once and the bf16 output; the f32 split partials it reads are the split's overhead
     ProblemModel("mla_combine_uv", ("H", "DL", "V"), m_dim="BQ", m_block="BLOCK_M", peak_dtype="bf16",
                  loop_dim="DL", loop_block="BLOCK_C", inner_loop=("S", "BLOCK_S"), launch_dims=_combine_uv_launch,

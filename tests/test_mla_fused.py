@@ -250,19 +250,20 @@ def test_q_absorb_append_reads_q_partials(P):
 
 @pytest.mark.parametrize("T", [1, 3, 6, 16])
 def test_q_absorb_append_block_t_changes_no_bit(T):
-    """BLOCK_T is a launch-only key (each M bucket takes its own): a tile under 16 rows meets the
-    16-row dot padded with zeros, each row at its own place (row mod 16), so every row's absorbed
-    query has the same bits at BLOCK_T 1, 2, 4, 8, 16. The output is a view of a bigger poisoned
+    """BLOCK_T and BLOCK_C are launch-only keys (each M bucket takes its own): a tile under 16 rows
+    meets the 16-row dot padded with zeros, each row at its own place (row mod 16), and a column's
+    sum over NOPE runs in BLOCK_K steps whatever the column tile, so every row's absorbed query has
+    the same bits at BLOCK_T 1, 2, 4, 8, 16 and BLOCK_C 32, 64. The output is a view of a bigger poisoned
     buffer: no row past T (nor of another program's part of the 16) is written."""
     NP, PS, QL, H, nope, C, R = 8, 4, 24, 2, 16, 64, 8
     q, wuk, cos, sin, qkv, wkv, slots = _append_case(T, H, nope, R, C, NP, PS, seed=50 + T, q_lora=QL)
     qp = _partials_of(q.reshape(T, -1), 2, seed=T).view(2, T, H, nope + R)
     outs = []
-    for bt in (1, 2, 4, 8, 16):
+    for bt, bc in ((1, 32), (2, 64), (4, 32), (8, 64), (16, 32), (16, 64)):
         buf = poisoned((T + 16, H, C + R), torch.bfloat16)
         kv = torch.full((NP, PS, C + R), float("nan"), dtype=torch.bfloat16)
         F.mla_q_absorb_kv(qp, wuk, cos, sin, qkv[:, QL:].float()[None], wkv, slots, buf[:T], kv, 1e-6,
-                          config={"BLOCK_T": bt, "BLOCK_C": 32, "BLOCK_K": 16})
+                          config={"BLOCK_T": bt, "BLOCK_C": bc, "BLOCK_K": 16})
         assert buf[T:].isnan().all() and not buf[:T].isnan().any()
         outs.append(buf[:T].clone())
     for o in outs[1:]:
