@@ -364,9 +364,9 @@ class _MLA:
         """The triton path in 6 launches (q_a|kv_a as one bf16 GEMM, a bf16 q_b): the q_a|kv_a GEMM
         split along K (gemm_bf16_splitk: f32 partials [S, T, q_lora + C + r], S times the programs of
         the plain GEMM at its small N) -> q_b GEMM with the split sum and the q_a RMSNorm in its
-        prologue (gemm_bf16_rmsnorm, reading the q_a columns of the partials in place) ->
-        mla_q_absorb_kv (W_UK, the q rope, and the kv split sum, kv norm, k rope and cache append by
-        one program per row) -> mla_decode_split -> mla_combine_uv (the split merge and W_UV, writing
+        prologue (gemm_bf16_rmsnorm, reading the q_a columns of the partials in place, itself split
+        along K into f32 partials: q_b's N is small at TP8) -> mla_q_absorb_kv (the q split sum, W_UK,
+        the q rope, and the kv split sum, kv norm, k rope and cache append by one program per row) -> mla_decode_split -> mla_combine_uv (the split merge and W_UV, writing
         o_proj's input) -> o_proj GEMM. Both consumers add the partials in split order and round to
         bf16, the row the plain GEMM would have stored. A quantized q_a|kv_a or q_b, or separate q_a /
         kv_a take the 7-launch form (mla_prep, then the q_b GEMM and mla_q_absorb). Same math as the
@@ -382,8 +382,8 @@ class _MLA:
         ql = c.q_lora_rank
         if self.qkv_a is not None and self.qkv_a.dense is not None and self.q_b.dense is not None:
             part = gemm_bf16_splitk(x.to(torch.bfloat16), self.qkv_a.dense)   # [S, T, ql + C + r] f32
-            q = gemm_bf16_rmsnorm(part[:, :, :ql], self.q_norm.w, self.q_b.dense, self.q_norm.eps)
-            qf = q_absorb_append(q.view(T, H, nope + r), self.w_uk, cos, sin, part[:, :, ql:], wkv, ctx.slots, kvl,
+            q = gemm_bf16_rmsnorm(part[:, :, :ql], self.q_norm.w, self.q_b.dense, self.q_norm.eps, partials=True)
+            qf = q_absorb_append(q.view(q.shape[0], T, H, nope + r), self.w_uk, cos, sin, part[:, :, ql:], wkv, ctx.slots, kvl,
                                  eps)
         else:
             if self.qkv_a is not None:

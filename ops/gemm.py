@@ -11,7 +11,8 @@ Weights are [N, K], K-contiguous (the checkpoint layout). Kernels:
 - gemm_bf16_splitk    bf16 x bf16 split along K: f32 partial sums [S, M, N], no atomics (MLA's q_a|kv_a GEMM,
                       whose two consumers add the splits in order and round to bf16)
 - gemm_bf16_rmsnorm   bf16 GEMM over RMSNorm(x) * norm weight, the norm in a prologue (MLA's q_b over raw q_a
-                      rows), x given as split-K partials [S, M, K] f32 (S = 1: one plain f32 row)
+                      rows), x given as split-K partials [S, M, K] f32 (S = 1: one plain f32 row); it
+                      writes its own split-K partials [P, M, N] f32 (P = its SPLIT_K: q_b's small N at TP8)
 - gemm_w4a16       bf16 act x int4 compressed-tensors weight, bf16 group-32 scales [N, K/32]
 The int paths accumulate exactly in int32 and apply `acc * x_scale[m] * w_scale[n]` in f32 once.
 
@@ -209,15 +210,15 @@ NORM_BM_DOMAIN = (1, 2, 4, 8, 16)  # one 16-row matrix dot per tile: BLOCK_M onl
 MMA_ROWS = 16  # the fewest rows of a matrix dot (MFMA / wgmma)
 
 
-def _mma_rows(m):
+def _mma_rows(m, dim: str = "M"):
     """The matrix dot's 16-row tile for a grid tile `m` under 16 rows: the aligned 16 rows that hold
     `m` ([m16, m16 + 16), m16 = m.start rounded down to 16), rows past M or m masked off, and m's
     place in them (m.start - m16, for kd.pad). A row meets the dot at position row mod 16 whatever
     BLOCK_M is, so BLOCK_M only launches: a row's bits do not depend on it (the interpreter's f32
     matmul can give a row different bits at a different position). The rows before m.start belong to
-    other programs: the store masks them (`m.start <= mm`)."""
+    other programs: the store masks them (`m.start <= mm`). `dim`: the kernel's name of the row dim."""
     m16 = m.start // MMA_ROWS * MMA_ROWS
-    mm = kd.span(m16, MMA_ROWS, kd.minimum(kd.dim("M"), m.start + m.size), "Mp")
+    mm = kd.span(m16, MMA_ROWS, kd.minimum(kd.dim(dim), m.start + m.size), dim + "p")
     return mm, m.start - m16
 
 
@@ -253,23 +254,33 @@ def _row_squares(x, m):
                    kd.zeros((m,), kd.f32), row)
 
 
-@kd.kernel(name="gemm_bf16_rmsnorm", example={"S": 1, "M": 1, "N": 12288, "K": 1536})
+NORM_SPLIT_SEARCH = (1, 2, 3, 4, 8)  # output K splits the tuner tries for gemm_bf16_rmsnorm
+
+
+@kd.kernel(name="gemm_bf16_rmsnorm", example={"S": 1, "P": 1, "M": 1, "N": 12288, "K": 1536})
 def gemm_bf16_rmsnorm_kernel(x: kd.In["S", "M", "K", kd.f32], xw: kd.In["K", kd.bf16], w: kd.In["N", "K", kd.bf16],
-                             out: kd.Out["M", "N", kd.bf16], eps: kd.Scalar[kd.f32]):
-    """out = bf16(rmsnorm(xr) * xw) @ w^T, xr = bf16(x[0] + ... + x[S-1]) the row of split-K
-    partials (gemm_bf16_splitk; S = 1 an f32 row): the split sum and the norm in a prologue, so
-    neither the q_a rows nor the normed rows leave the program (MLA's q_b GEMM reads the q_a columns
-    of the q_a|kv_a partials in place). Each program sums each of its real rows' squares over K in
-    f32, one row at a time (1-D NORM_K-wide tiles: at NORM_K >= K one reduction, the order of
-    ops.mla_fused.mla_prep_qkv), then scales each A tile by rstd * xw and rounds it to bf16 before
-    the dot, the expressions and rounding of that kernel's q_c. That elementwise work (the kernel's
-    cost at decode sizes) runs over the BLOCK_M rows of the tile only: a tile under 16 rows (no
-    padding rows at M=2) sums its squares a row at a time (ROW_SQUARES=1) and kd.pad places it at
-    its own rows of the aligned 16 of the matrix dot (zeros around it), so a row's bits do not depend
-    on BLOCK_M (1 to 16: a launch-only key, each M bucket takes its own); a 16-row tile may instead
-    sum in one 2-D reduction per NORM_K tile (ROW_SQUARES=0: less VALU at prefill, other bits)."""
-    m, n = kd.grid(kd.tile("M", "BLOCK_M", domain=NORM_BM_DOMAIN, default=16),
-                   kd.tile("N", "BLOCK_N", domain=BN_DOMAIN, default=64))
+                             part: kd.Out["P", "M", "N", kd.f32], eps: kd.Scalar[kd.f32]):
+    """part[p] = bf16(rmsnorm(xr) * xw)[:, Kp] @ w[:, Kp]^T in f32 over the K range Kp of output split
+    p (the ranges of gemm_bf16_splitk; P = 1: the whole GEMM), xr = bf16(x[0] + ... + x[S-1]) the
+    row of split-K partials (gemm_bf16_splitk; S = 1 an f32 row): the split sum and the norm in a
+    prologue, so neither the q_a rows nor the normed rows leave the program (MLA's q_b GEMM reads
+    the q_a columns of the q_a|kv_a partials in place). A consumer adds the P partials in split order
+    and rounds to bf16 (splitk_rows): at a small N (q_b at TP8: 1536 columns, 96 16-column tiles)
+    P splits give P times the programs, each with 1/P of the weight stream and of the A tiles'
+    LDS traffic. Each program sums each of its real rows' squares over all of K in f32 (the norm
+    needs the whole row whatever its split), one row at a time (1-D NORM_K-wide tiles: at
+    NORM_K >= K one reduction, the order of ops.mla_fused.mla_prep_qkv), then scales each A tile by
+    rstd * xw and rounds it to bf16 before the dot, the expressions and rounding of that kernel's
+    q_c. That elementwise work runs over the BLOCK_M rows of the tile only: a tile under 16 rows
+    sums its squares a row at a time (ROW_SQUARES=1) and kd.pad places it at its own rows of the
+    aligned 16 of the matrix dot (zeros around it), so a row's bits do not depend on BLOCK_M (1 to
+    16: a launch-only key, each M bucket takes its own); a 16-row tile may instead sum in one 2-D
+    reduction per NORM_K tile (ROW_SQUARES=0: less VALU at prefill, other bits). SPLIT_K is the op's
+    split count (it allocates part [SPLIT_K, M, N]); the kernel splits by part's P dim."""
+    kd.tunable("SPLIT_K", SPLIT_K_DOMAIN, 1, "output splits along K (the P dim of part): more programs",
+               search=NORM_SPLIT_SEARCH)
+    m, n, p = kd.grid(kd.tile("M", "BLOCK_M", domain=NORM_BM_DOMAIN, default=16),
+                      kd.tile("N", "BLOCK_N", domain=BN_DOMAIN, default=64), kd.each("P"))
     by_row = kd.tunable("ROW_SQUARES", (0, 1), 1, "sum the squares a row at a time (any BLOCK_M) or in one "
                         "2-D reduction per NORM_K tile (BLOCK_M=16 only): a numerics key, BLOCK_M is not")
     small = m.size < MMA_ROWS
@@ -282,11 +293,16 @@ def gemm_bf16_rmsnorm_kernel(x: kd.In["S", "M", "K", kd.f32], xw: kd.In["K", kd.
         a = (splitk_rows(x, m, k) * rstd * xw[k].to(kd.f32)).to(kd.bf16)
         return acc + kd.dot(kd.pad(a, m, mm, offset=place) if small else a, w[n, k])
 
-    acc = kd.fold(_k(64), kd.zeros((mm, n), kd.f32), body)
+    bk = kd.tunable("BLOCK_K", BK_DOMAIN, 64)
+    K = kd.dim("K")
+    ks = kd.cdiv(kd.cdiv(K, kd.dim("P")), bk) * bk
+    k0 = p * ks
+    span = kd.tiles(start=k0, stop=kd.minimum(K, k0 + ks), block="BLOCK_K", domain=BK_DOMAIN, default=64, label="K")
+    acc = kd.fold(span, kd.zeros((mm, n), kd.f32), body)
     if small:
-        kd.store(out, (mm, n), acc, mask=m.start <= mm)
+        kd.store(part, (p, mm, n), acc, mask=m.start <= mm)
     else:
-        out[mm, n] = acc
+        part[p, mm, n] = acc
 
 
 KERNELS = (gemm_bf16_kernel, gemm_fp8_kernel, gemm_w8a8_kernel, gemm_w4a8_kernel, gemm_w4a8_order_kernel,
@@ -572,20 +588,37 @@ def _partials(op: str, x: torch.Tensor) -> torch.Tensor:
 def gemm_bf16_rmsnorm_ref(x: torch.Tensor, x_norm_w: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """gemm_bf16_ref over rmsnorm_ref(x, x_norm_w) (the normed rows rounded to bf16 first); x bf16
     [M, K] or f32 split-K partials [S, M, K] (their `splitk_sum_ref`)."""
+    return gemm_bf16_ref(_rmsnorm_rows_ref(x, x_norm_w, eps), w)
+
+
+def _rmsnorm_rows_ref(x: torch.Tensor, x_norm_w: torch.Tensor, eps: float) -> torch.Tensor:
     from ops.norm import rmsnorm_ref
 
-    if x.dim() == 3:
-        x = splitk_sum_ref(x)
-    return gemm_bf16_ref(rmsnorm_ref(x, x_norm_w, eps), w)
+    return rmsnorm_ref(splitk_sum_ref(x) if x.dim() == 3 else x, x_norm_w, eps)
+
+
+def rmsnorm_config(M: int, N: int, K: int, config: dict | None = None, invariant: bool = True) -> dict:
+    """gemm_bf16_rmsnorm's config at (N, K): batch-invariant (`invariant`: the split count, the squares'
+    order and the K tile of the M=1 entry at every M, launch keys from M's bucket) or M's own entry."""
+    problem = {"N": N, "K": K}
+    if invariant:
+        return invariant_config(gemm_bf16_rmsnorm_kernel, problem, M, config)
+    if config is not None:
+        return dict(config)
+    return lookup_config(gemm_bf16_rmsnorm_kernel, kd.current_target().name, problem, max(M, 1))
 
 
 def gemm_bf16_rmsnorm(x: torch.Tensor, x_norm_w: torch.Tensor, w: torch.Tensor, eps: float, backend: str = "triton",
-                      config: dict | None = None, invariant: bool = True) -> torch.Tensor:
-    """bf16(rmsnorm(xr) * x_norm_w) [M, K] @ w [N, K]^T -> bf16 [M, N] in one launch: the norm of
-    each row (f32, over all K) in the GEMM's prologue. x is bf16 [M, K] (xr = x) or the f32 split-K
-    partials [S, M, K] of gemm_bf16_splitk (xr = their bf16-rounded sum in split order); either may be
-    a strided view (any strides, last dim contiguous), e.g. the q_a columns of the q_a|kv_a output.
-    `invariant` (default): the M=1 tiles at every M, as `gemm_bf16`."""
+                      config: dict | None = None, invariant: bool = True, partials: bool = False) -> torch.Tensor:
+    """bf16(rmsnorm(xr) * x_norm_w) [M, K] @ w [N, K]^T in one launch: the norm of each row (f32, over
+    all K) in the GEMM's prologue. x is bf16 [M, K] (xr = x) or the f32 split-K partials [S, M, K] of
+    gemm_bf16_splitk (xr = their bf16-rounded sum in split order); either may be a strided view (any
+    strides, last dim contiguous), e.g. the q_a columns of the q_a|kv_a output. The kernel writes f32
+    partials over the tuned SPLIT_K ranges of K (`splitk_bounds`); `partials=True` returns them
+    ([SPLIT_K, M, N], for a consumer that adds them in split order: ops.mla_fused.q_absorb_append),
+    else their bf16-rounded sum [M, N] (`splitk_sum_ref`: torch adds when SPLIT_K > 1). The torch
+    backend computes the same splits in float64 (`partials=True`) or the whole GEMM. `invariant`
+    (default): the M=1 tiles at every M, as `gemm_bf16`."""
     import math
 
     name = "gemm_bf16_rmsnorm"
@@ -603,14 +636,16 @@ def gemm_bf16_rmsnorm(x: torch.Tensor, x_norm_w: torch.Tensor, w: torch.Tensor, 
         raise ValueError(f"{name}: x_norm_w must be [K={K}], got {tuple(x_norm_w.shape)}")
     if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"{name}: eps must be a finite number >= 0, got {eps!r}")
-    if backend == "torch":
+    if backend == "torch" and not partials:
         return gemm_bf16_rmsnorm_ref(xp, x_norm_w, w, eps)
-    problem = {"N": N, "K": K}
-    if invariant:
-        config = invariant_config(gemm_bf16_rmsnorm_kernel, problem, M, config)
-    elif config is None:
-        config = lookup_config(gemm_bf16_rmsnorm_kernel, kd.current_target().name, problem, max(M, 1))
-    out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    config = rmsnorm_config(M, N, K, config, invariant)
+    splits = int(config.get("SPLIT_K", 1))
+    if splits not in SPLIT_K_DOMAIN:
+        raise ValueError(f"{name}: SPLIT_K must be one of {SPLIT_K_DOMAIN}, got {splits!r}")
+    if backend == "torch":
+        return gemm_bf16_splitk_ref(_rmsnorm_rows_ref(xp, x_norm_w, eps), w, splits,
+                                    int(config.get("BLOCK_K", 64))).to(x.device)
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     if M:
-        gemm_bf16_rmsnorm_kernel(xp, x_norm_w, w, out, float(eps), config=config)
-    return out
+        gemm_bf16_rmsnorm_kernel(xp, x_norm_w, w, part, float(eps), config=config)
+    return part if partials else splitk_sum_ref(part)

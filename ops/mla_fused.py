@@ -37,7 +37,7 @@ import torch
 
 import kdsl as kd
 from ops._common import check_backend, check_slots, check_tensor, invariant_config, validating
-from ops.gemm import splitk_sum_ref
+from ops.gemm import MMA_ROWS, _mma_rows, splitk_sum_ref
 
 # ---------------------------------------------------------------------------------------------
 # kernel bodies
@@ -151,6 +151,16 @@ def _split_row(part, row, cols):
     return total.to(kd.bf16).to(kd.f32)
 
 
+def _split_q(q, t, h, cols):
+    """q[0, t, h, cols] + ... + q[P-1, t, h, cols] in split order (f32, P static: unrolled), rounded
+    to bf16 and returned in f32: the q_b GEMM's bf16 row (ops.gemm.splitk_rows for a head's columns)."""
+    def add(p, acc):
+        return acc + kd.sum(q[p, t, h, cols], axis=p)
+
+    total = kd.fold(kd.tiles(start=1, stop=kd.dim("P"), block=1, label="p", unroll=True), q[0, t, h, cols], add)
+    return total.to(kd.bf16).to(kd.f32)
+
+
 def _append_row(src, row, valid, wkv, slots, cos, sin, kv, eps):
     """src[:, row, :DL + R] (the split-K partials of the kv_a part of one q_a|kv_a output row, added
     in split order and rounded to bf16: `_split_row`) -> the cache row
@@ -189,10 +199,10 @@ _ABS_KV_CHECKS = [*_ABS_CHECKS,
                   ("kv", lambda d: d["DQ"] == d["DL"] + 2 * d["R2"], "the cache's last dim must be latent + rope")]
 
 
-@kd.kernel(static=("NOPE", "R2", "DL", "H", "S"), checks=_ABS_KV_CHECKS,
+@kd.kernel(static=("NOPE", "R2", "DL", "H", "S", "P"), checks=_ABS_KV_CHECKS,
            example={"T": 1, "H": 64, "DQK": 192, "NOPE": 128, "R2": 32, "DL": 512, "DQ": 576, "NK": 576,
-                    "NP": 4096, "PS": 64, "S": 1})
-def mla_q_absorb_kv(q: kd.In["T", "H", "DQK", kd.bf16], wuk: kd.In["H", "NOPE", "DL", kd.bf16],
+                    "NP": 4096, "PS": 64, "S": 1, "P": 1})
+def mla_q_absorb_kv(q: kd.In["P", "T", "H", "DQK", kd.f32], wuk: kd.In["H", "NOPE", "DL", kd.bf16],
                     cos: kd.In["T", "R2", kd.f32], sin: kd.In["T", "R2", kd.f32],
                     kva: kd.In["S", "T", "NK", kd.f32], wkv: kd.In["DL", kd.bf16], slots: kd.In["T", kd.i64],
                     out: kd.Out["T", "H", "DQ", kd.bf16], kv: kd.InOut["NP", "PS", "DQ", kd.bf16],
@@ -207,20 +217,35 @@ def mla_q_absorb_kv(q: kd.In["T", "H", "DQK", kd.bf16], wuk: kd.In["H", "NOPE", 
     in full. kva holds the kv part of the q_a|kv_a GEMM as split-K partials [S, T, DL + R] f32
     (ops.gemm.gemm_bf16_splitk; S = 1 one f32 row), added in split order and rounded to bf16 as the
     GEMM's bf16 output would be. The q_b GEMM before it reads the q_a part of the same partials
-    (ops.gemm.gemm_bf16_rmsnorm), so the MLA front needs no separate prep launch."""
-    t, c, h = kd.grid(kd.tile("T", "BLOCK_T", domain=(1, 2, 4, 16, 32, 64), default=1),
+    (ops.gemm.gemm_bf16_rmsnorm), so the MLA front needs no separate prep launch; q comes as that
+    GEMM's own split-K partials [P, T, H, DQK] f32 (P static, unrolled), added and rounded the same
+    way where a tile is loaded. That elementwise work runs over the BLOCK_T rows of the tile only: a
+    tile under 16 rows is padded with zeros to the aligned 16 of the matrix dot, each row at its own
+    place (row mod 16: ops.gemm._mma_rows), so BLOCK_T (1 to 16) changes no bit, nor does BLOCK_C
+    (a column sums over NOPE in BLOCK_K steps): each M bucket takes its own."""
+    t, c, h = kd.grid(kd.tile("T", "BLOCK_T", domain=(1, 2, 4, 8, 16), default=16),
                       kd.tile("DL", "BLOCK_C", domain=(32, 64, 128, 256, 512), default=128), kd.each("H"))
     NOPE = kd.static("NOPE")
     DL = kd.static("DL")
     ks = kd.tiles("NOPE", block="BLOCK_K", domain=(16, 32, 64, 128), default=64)
-    acc = kd.fold(ks, kd.zeros((t, c), kd.f32), lambda k, acc: acc + kd.dot(q[t, h, k], wuk[h, k, c]))
-    out[t, h, c] = acc
+    small = t.size < MMA_ROWS
+    tt, place = _mma_rows(t, "T") if small else (t, 0)
+
+    def absorb(k, acc):
+        a = _split_q(q, t, h, k).to(kd.bf16)
+        return acc + kd.dot(kd.pad(a, t, tt, offset=place) if small else a, wuk[h, k, c])
+
+    acc = kd.fold(ks, kd.zeros((tt, c), kd.f32), absorb)
+    if small:
+        kd.store(out, (tt, h, c), acc, mask=t.start <= tt)
+    else:
+        out[t, h, c] = acc
     i = kd.full_range("R2")
     first = (c.start + i * 0) == 0
     cs = cos[t, i]
     sn = sin[t, i]
-    x0 = q[t, h, NOPE + i * 2].to(kd.f32)
-    x1 = q[t, h, NOPE + i * 2 + 1].to(kd.f32)
+    x0 = _split_q(q, t, h, NOPE + i * 2)
+    x1 = _split_q(q, t, h, NOPE + i * 2 + 1)
     out.store(t, h, DL + i * 2, value=x0 * cs - x1 * sn, mask=first)
     out.store(t, h, DL + i * 2 + 1, value=x1 * cs + x0 * sn, mask=first)
     # the cache append: row r of the tile goes to the program of rank r mod P (P ranks = heads x DL
@@ -378,11 +403,11 @@ def mla_prep(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, kv_norm_w: torch.
     return qc
 
 
-def _check_absorb(op: str, q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                  ) -> tuple[int, int, int, int, int]:
+def _check_absorb(op: str, q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  q_dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
     """Argument rules of the absorbed query (q [T, H, nope + R], W_UK [H, nope, DL], per-row cos/sin);
     returns (T, H, nope, DL, R)."""
-    check_tensor(op, "q", q, 3, (torch.bfloat16,), last_contiguous=True)
+    check_tensor(op, "q", q, 3, (q_dtype,), last_contiguous=True)
     dev = q.device
     T, H, DQK = q.shape
     check_tensor(op, "w_uk", w_uk, 3, (torch.bfloat16,), dev, contiguous=True)
@@ -429,6 +454,9 @@ def q_absorb_append(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin:
     """`q_absorb` and the cache append of `mla_prep` in one launch (kernel mla_q_absorb_kv): returns
     the absorbed query [T, H, DL + R] and writes rmsnorm(kva[:, :DL]) * kv_norm_w |
     rope_interleaved(kva[:, DL:]) at `slots` [T] of the paged cache [pages, page_size, DL + R].
+    q is bf16 [T, H, nope + R] or the f32 split-K partials [P, T, H, nope + R] of the q_b GEMM
+    (ops.gemm.gemm_bf16_rmsnorm with partials=True, viewed per head; any strides, last dim
+    contiguous), added in split order and rounded to bf16 as that GEMM's bf16 output would be.
     kva [T, DL + R] is the kv_a part of the q_a|kv_a output (any row stride, last dim contiguous).
     kva may also be given as the f32 split-K partials [S, T, DL + R] of that GEMM (ops.gemm.
     gemm_bf16_splitk, e.g. its kv columns: any strides, last dim contiguous); the kernel adds them in
@@ -437,7 +465,15 @@ def q_absorb_append(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin:
     past the cache instead (a device read). `invariant` (default): the M=1 tiles at every T."""
     op = "mla_q_absorb_kv"
     check_backend(op, backend)
-    T, H, nope, DL, R = _check_absorb(op, q, w_uk, cos, sin)
+    check_tensor(op, "q", q, None, (torch.bfloat16, torch.float32), last_contiguous=True)
+    if q.dim() == 3 and q.dtype == torch.bfloat16:
+        qp = q.float().unsqueeze(0)  # one split (exact)
+    elif q.dim() == 4 and q.dtype == torch.float32 and q.shape[0] >= 1:
+        qp = q
+    else:
+        raise ValueError(f"{op}: q must be bfloat16 [T, H, nope + R] or float32 split-K partials "
+                         f"[P >= 1, T, H, nope + R], got {str(q.dtype).replace('torch.', '')} {tuple(q.shape)}")
+    T, H, nope, DL, R = _check_absorb(op, qp[0], w_uk, cos, sin, torch.float32)
     dev = q.device
     check_tensor(op, "kva", kva, None, (torch.bfloat16, torch.float32), dev, last_contiguous=True)
     if kva.dim() == 2 and kva.dtype == torch.bfloat16:
@@ -461,7 +497,7 @@ def q_absorb_append(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin:
         check_slots(op, slots, kv_cache.shape[0] * kv_cache.shape[1])
     if backend == "torch":
         mla_prep_ref(splitk_sum_ref(kva), None, kv_norm_w, cos, sin, slots, kv_cache, eps, 0)
-        return mla_q_absorb_ref(q, w_uk, cos, sin)
+        return mla_q_absorb_ref(splitk_sum_ref(qp), w_uk, cos, sin)
     out = torch.empty(T, H, DL + R, dtype=torch.bfloat16, device=dev)
     if T == 0:
         return out
@@ -473,7 +509,7 @@ def q_absorb_append(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin:
 
         cfg = config_for(mla_q_absorb_kv, problem, T, config)
     sl = slots if slots.dtype == torch.int64 else slots.to(torch.int64)
-    mla_q_absorb_kv(q, w_uk, cos, sin, kva, kv_norm_w, sl, out, kv_cache, float(eps), config=cfg)
+    mla_q_absorb_kv(qp, w_uk, cos, sin, kva, kv_norm_w, sl, out, kv_cache, float(eps), config=cfg)
     return out
 
 

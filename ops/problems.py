@@ -162,6 +162,12 @@ def _splitk_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
     return {"S": s, "KS": -(-(-(-p["K"] // s)) // bk) * bk}
 
 
+def _rmsnorm_split(p: Problem, c: dict[str, Any]) -> Problem:
+    """gemm_bf16_rmsnorm's output partial count P (= SPLIT_K) and KS, the K elements of one split."""
+    d = _splitk_derived(p, 0, {"SPLIT_K": 1, **c})
+    return {"P": d["S"], "KS": d["KS"]}
+
+
 MODELS: list[ProblemModel] = [
     ProblemModel("gemm_bf16_silu_mul", ("N2", "K"), peak_dtype="bf16", bytes_fn=_silu_gemm_bytes,
                  flops_fn=lambda p, m: 2.0 * m * p["N2"] * p["K"], derived=lambda p, m, c: {"I": p["N2"] // 2},
@@ -169,11 +175,13 @@ MODELS: list[ProblemModel] = [
     # the q_b GEMM with the q_a RMSNorm in its prologue: the gemm bytes plus the norm weight; the
     # prologue's second read of each program's rows hits L2 (no extra HBM stream). Its rows come as
     # split-K partials [S, M, K] f32 (S of the recorded launch; 1 when tuned): their traffic is
-    # charged to gemm_bf16_splitk, which writes them
+    # charged to gemm_bf16_splitk, which writes them. It writes its own output as P = SPLIT_K f32
+    # partials over K ranges of KS (the ranges of gemm_bf16_splitk), written and read back once
     ProblemModel("gemm_bf16_rmsnorm", ("N", "K"), peak_dtype="bf16",
                  bytes_fn=lambda p, m: _gemm(2, 2, "bf16")[0](p, m) + 2 * p["K"],
                  flops_fn=lambda p, m: _gemm(2, 2, "bf16")[1](p, m) + 4.0 * m * p["K"], shared_numerics=True,
-                 derived=lambda p, m, c: {"S": p.get("S", 1)},
+                 derived=lambda p, m, c: {"S": p.get("S", 1), **_rmsnorm_split(p, c)}, loop_dim="KS",
+                 extra_bytes_fn=lambda p, m, d: 2.0 * m * p["N"] * (4 * d["P"] - 2),
                  # a row sits at its own place (row mod 16) of one aligned 16-row dot at any BLOCK_M;
                  # ROW_SQUARES, the numerics key, admits the BLOCK_M values of its mode
                  launch_keys=("BLOCK_M",)),
@@ -584,8 +592,11 @@ MLA_FUSED_MODELS = [
                  bytes_fn=lambda p, m: _absorb_bytes(p, m) + _prep_bytes(False)(p, m),
                  flops_fn=lambda p, m: 2.0 * m * p["H"] * p["NOPE"] * p["DL"] + m * (4.0 * p["DL"] + 6.0 * p["R2"]),
                  derived=lambda p, m, c: {"DQK": p["NOPE"] + 2 * p["R2"], "DQ": p["DL"] + 2 * p["R2"],
-                                          "NK": p["DL"] + 2 * p["R2"], "NP": 4096, "PS": 64, "S": p.get("S", 1)},
-                 shared_numerics=True),
+                                          "NK": p["DL"] + 2 * p["R2"], "NP": 4096, "PS": 64, "S": p.get("S", 1),
+                                          "P": p.get("P", 1)},
+                 # a row sits at its own place (row mod 16) of one aligned 16-row dot at any BLOCK_T; a
+                 # column sums over NOPE in BLOCK_K steps at any BLOCK_C
+                 shared_numerics=True, launch_keys=("BLOCK_T", "BLOCK_C")),
     # floor: W_UV once and the bf16 output; the f32 split partials it reads are the split's overhead
     ProblemModel("mla_combine_uv", ("H", "DL", "V"), m_dim="BQ", m_block="BLOCK_M", peak_dtype="bf16",
                  loop_dim="DL", loop_block="BLOCK_C", inner_loop=("S", "BLOCK_S"), launch_dims=_combine_uv_launch,

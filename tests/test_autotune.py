@@ -482,3 +482,27 @@ def test_verify_problem_tunes_with_the_decode_files_numerics(tmp_path):
     assert sorted(probs, key=lambda p: later(K_, p)) == [p1, {**p1, "QL": 4}]
     with pytest.warns(UserWarning, match="tune it first"):
         assert search._reference_numerics(K_, t, {**p1, "QL": 4, "H": 16}, pm, str(tmp_path)) is None
+
+
+def test_launch_polish_of_launch_only_tunables_skips_values_the_tile_refuses(monkeypatch):
+    """The polish of a shared tile's launch-only tunables (gemm_bf16_rmsnorm's BLOCK_M) tries every
+    value of the bucket's domain but drops those the tile's rules refuse (BLOCK_M under 16 with the
+    2-D sum of squares, ROW_SQUARES=0), as the space's pruning does, and ignores failed compiles."""
+    from autotune import search
+    from ops.gemm import gemm_bf16_rmsnorm_kernel as R
+
+    t = get_target("gfx942")
+    prob = {"N": 64, "K": 128}
+    base = {"SPLIT_K": 1, "BLOCK_N": 16, "NORM_K": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1,
+            "waves_per_eu": 0, "kpack": 1, "matrix_instr_nonkdim": 0}
+    monkeypatch.setattr(search, "score", lambda kernel, target, p, m, c, rep: {"predicted_us": 1.0})
+    spaces = {b: search.build(R, t, {"S": 1, "P": 1}, b, seed=0, max_candidates=1) for b in (1, 8)}
+    for rs, want in ((0, set()), (1, {1, 2, 4, 8})):   # BLOCK_M=16 is compiled already
+        c = {**base, "BLOCK_M": 16, "ROW_SQUARES": rs}
+        failed = {**c, "BLOCK_N": 32}
+        jobs = {(search._cfg_key(x), search.REPORT_M): (x, {}) for x in (c, failed)}
+        reports = {k: {"ok": x is c} for k, (x, _) in jobs.items()}
+        new = search._launch_polish(R, t, prob, prob, [1, 8], spaces, jobs, reports, search._numerics(c, R),
+                                    ("BLOCK_M",))
+        assert {x["BLOCK_M"] for x, _ in new.values()} == want, rs
+        assert {x["BLOCK_N"] for x, _ in new.values()} <= {16}

@@ -37,6 +37,15 @@ def _one_split(x, pad=5):
     return buf[:, :, :x.shape[1]]
 
 
+def _launch(x, xw, w, cfg, M, N):
+    """The kernel at one output split (P = 1) into a poisoned f32 [1, M, N] -> its bf16 rows (the
+    rounding of the op's bf16 result and of every consumer)."""
+    out = poisoned((1, M, N), torch.float32)
+    G.gemm_bf16_rmsnorm_kernel(x, xw, w, out, 1e-6, config=cfg)
+    assert not out.isnan().any()
+    return out[0].to(torch.bfloat16)
+
+
 def _bound(x, xw, w, ref):
     from ops.norm import rmsnorm_ref
 
@@ -56,9 +65,7 @@ def test_equals_prep_then_gemm_bit_for_bit(M, N, K, cfg):
     """NORM_K >= K: q_c as mla_prep_qkv computes it, then each BLOCK_M-row block through the same
     GEMM tile (under 16 rows: the fused kernel's zero-padded 16-row dot): identical bits."""
     x, xw, w = _case(M, N, K, seed=M * 100 + N)
-    out = poisoned((M, N), torch.bfloat16)
-    G.gemm_bf16_rmsnorm_kernel(_one_split(x), xw, w, out, 1e-6, config=cfg)
-    assert not out.isnan().any()
+    out = _launch(_one_split(x), xw, w, cfg, M, N)
     # the two-launch path: mla_prep's q_c (its kv part written into a scratch cache) and gemm_bf16
     C, R = 16, 8
     qkv = torch.cat([x, torch.randn(M, C + R).bfloat16()], 1)
@@ -77,10 +84,8 @@ def test_equals_prep_then_gemm_bit_for_bit(M, N, K, cfg):
 def test_split_norm_sum_within_bound(cfg):
     """NORM_K < K: the row sums in several tiles (another f32 order): within the stated bound."""
     x, xw, w = _case(6, 40, 200, seed=11)
-    out = poisoned((6, 40), torch.bfloat16)
-    G.gemm_bf16_rmsnorm_kernel(_one_split(x), xw, w, out, 1e-6, config=cfg)
+    out = _launch(_one_split(x), xw, w, cfg, 6, 40)
     ref = G.gemm_bf16_rmsnorm_ref(x, xw, w, 1e-6)
-    assert not out.isnan().any()
     assert ((out.double() - ref.double()).abs() <= _bound(x, xw, w, ref)).all()
 
 
@@ -114,9 +119,7 @@ def test_split_partials_equal_their_bf16_sum(S, cfg):
     part = buf[:, :, :K]
     xw, w = torch.randn(K, generator=g).bfloat16(), (torch.randn(N, K, generator=g) * 0.2).bfloat16()
     xr = G.splitk_sum_ref(part)
-    out = poisoned((M, N), torch.bfloat16)
-    G.gemm_bf16_rmsnorm_kernel(part, xw, w, out, 1e-6, config=cfg)
-    assert not out.isnan().any()
+    out = _launch(part, xw, w, cfg, M, N)
     assert torch.equal(out, G.gemm_bf16_rmsnorm(xr, xw, w, 1e-6, config=cfg))
     ref = G.gemm_bf16_rmsnorm(part, xw, w, 1e-6, backend="torch")
     assert torch.equal(ref, G.gemm_bf16_rmsnorm_ref(xr, xw, w, 1e-6))
@@ -144,10 +147,10 @@ def test_block_m_changes_no_bit(M):
     xw, w = torch.randn(K, generator=g).bfloat16(), (torch.randn(N, K, generator=g) * 0.2).bfloat16()
     outs = []
     for bm in (1, 2, 4, 8, 16):
-        buf = poisoned((M + 16, N), torch.bfloat16)
-        G.gemm_bf16_rmsnorm_kernel(x, xw, w, buf[:M], 1e-6, config={**BM_INVARIANT, "BLOCK_M": bm})
-        assert buf[M:].isnan().all() and not buf[:M].isnan().any()
-        outs.append(buf[:M].clone())
+        buf = poisoned((1, M + 16, N), torch.float32)
+        G.gemm_bf16_rmsnorm_kernel(x, xw, w, buf[:, :M], 1e-6, config={**BM_INVARIANT, "BLOCK_M": bm})
+        assert buf[:, M:].isnan().all() and not buf[:, :M].isnan().any()
+        outs.append(buf[0, :M].to(torch.bfloat16))
     for o in outs[1:]:
         assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16))
     xr = G.splitk_sum_ref(x)
@@ -161,3 +164,40 @@ def test_small_tile_needs_row_squares():
 
     with pytest.raises(kd.ConfigError, match="ROW_SQUARES"):
         G.gemm_bf16_rmsnorm_kernel.source({**BM_INVARIANT, "BLOCK_M": 4, "ROW_SQUARES": 0}, "gfx942")
+
+
+@pytest.mark.parametrize("P,cfg", [(2, {"BLOCK_M": 2, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 64, "ROW_SQUARES": 1}),
+                                   (3, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "NORM_K": 256,
+                                        "ROW_SQUARES": 0}),
+                                   (4, {"BLOCK_M": 4, "BLOCK_N": 16, "BLOCK_K": 64, "NORM_K": 64, "ROW_SQUARES": 1})])
+def test_output_splits(P, cfg):
+    """SPLIT_K output partials [P, M, N]: partial p is the GEMM of the normed rows over K range p
+    (ops.gemm.splitk_bounds; with 4 splits of K=160 at BLOCK_K 64 the last range is empty: zeros),
+    each within the module's bound (2^-7 x |q_c| @ |w|^T over its range) of its float64 reference; the op's `partials=True` returns them, its bf16
+    result is their sum in split order, and the torch backend computes the same ranges. The
+    partials are a view of a bigger poisoned buffer: nothing outside them is written."""
+    M, N, K, S = 5, 48, 160, 2
+    g = torch.Generator().manual_seed(60 + P)
+    x = torch.randn(S, M, K, generator=g) * 3.0
+    xw, w = torch.randn(K, generator=g).bfloat16(), (torch.randn(N, K, generator=g) * 0.2).bfloat16()
+    cfg = {**cfg, "SPLIT_K": P}
+    buf = poisoned((P + 1, M + 3, N + 8), torch.float32)
+    part = buf[:P, :M, :N]
+    G.gemm_bf16_rmsnorm_kernel(x, xw, w, part, 1e-6, config=cfg)
+    assert not part.isnan().any()
+    assert buf[P:].isnan().all() and buf[:, M:].isnan().all() and buf[:, :, N:].isnan().all()
+    from ops.norm import rmsnorm_ref
+
+    qc = rmsnorm_ref(G.splitk_sum_ref(x), xw, 1e-6).double()
+    for p, (a, b) in enumerate(G.splitk_bounds(K, P, cfg["BLOCK_K"])):
+        ref = qc[:, a:b] @ w[:, a:b].double().T
+        bound = 2.0 ** -7 * (qc[:, a:b].abs() @ w[:, a:b].double().abs().T)  # a normed element may move 1 ulp
+        assert ((part[p].double() - ref).abs() <= bound).all(), p
+    got = G.gemm_bf16_rmsnorm(x, xw, w, 1e-6, config=cfg, partials=True)
+    assert got.shape == (P, M, N) and torch.equal(got, part)
+    assert torch.equal(G.gemm_bf16_rmsnorm(x, xw, w, 1e-6, config=cfg), G.splitk_sum_ref(part))
+    torch_part = G.gemm_bf16_rmsnorm(x, xw, w, 1e-6, backend="torch", config=cfg, partials=True)
+    assert torch_part.shape == (P, M, N)
+    assert ((torch_part.double() - part.double()).abs() <= 2.0 ** -7 * (qc.abs() @ w.double().abs().T)).all()
+    with pytest.raises(ValueError, match="SPLIT_K must be one of"):
+        G.gemm_bf16_rmsnorm(x, xw, w, 1e-6, config={**cfg, "SPLIT_K": 0})

@@ -202,7 +202,8 @@ def test_gemm_rows_batch1_equals_batch8(arch: str) -> None:
 def test_mla_front_split_k_rows_batch1_equal_batch8(arch: str) -> None:
     """The MLA front's q_a|kv_a GEMM split along K (one tuned SPLIT_K and tile for every M) and its two
     consumers (q_b GEMM with the q_a norm, the kv cache append) with the arch's invariant configs: a
-    row alone gives the bits it gives in a batch of 8 (partials, q_b output and its cache row)."""
+    row alone gives the bits it gives in a batch of 8 (partials, the q_b GEMM's own split-K partials,
+    the absorbed query and its cache row)."""
     trim = lambda c: {k: v for k, v in c.items() if k not in ("matrix_instr_nonkdim", "kpack", "waves_per_eu")}  # noqa: E731
     from ops import mla_fused
 
@@ -225,15 +226,16 @@ def test_mla_front_split_k_rows_batch1_equal_batch8(arch: str) -> None:
 
     def front(rows: slice):
         part = gemm.gemm_bf16_splitk(x[rows], w, config=cfg)
-        q = gemm.gemm_bf16_rmsnorm(part[:, :, :QL], wqn, wqb, 1e-6, config=cq)
+        q = gemm.gemm_bf16_rmsnorm(part[:, :, :QL], wqn, wqb, 1e-6, config=cq, partials=True)
         kv = torch.full((2, 8, C + R), float("nan"), dtype=torch.bfloat16)
-        n = q.shape[0]
-        mla_fused.q_absorb_append(q.view(n, HQ, NOPE + R), wuk, ang[rows].cos(), ang[rows].sin(), part[:, :, QL:],
-                                  wkv, torch.arange(n), kv, 1e-6, config=ca)
-        return part, q, kv.view(-1, C + R)[:n]
+        n = q.shape[1]
+        qf = mla_fused.q_absorb_append(q.view(q.shape[0], n, HQ, NOPE + R), wuk, ang[rows].cos(), ang[rows].sin(),
+                                       part[:, :, QL:], wkv, torch.arange(n), kv, 1e-6, config=ca)
+        return part, q, qf, kv.view(-1, C + R)[:n]
 
-    p8, q8, kv8 = front(slice(0, 8))
-    p1, q1, kv1 = front(slice(0, 1))
-    assert p8.shape[0] == cfg["SPLIT_K"]
-    assert torch.equal(p1[:, 0], p8[:, 0]) and torch.equal(q1[0], q8[0]) and torch.equal(kv1[0], kv8[0])
+    p8, q8, f8, kv8 = front(slice(0, 8))
+    p1, q1, f1, kv1 = front(slice(0, 1))
+    assert p8.shape[0] == cfg["SPLIT_K"] and q8.shape[0] == cq.get("SPLIT_K", 1)
+    assert torch.equal(p1[:, 0], p8[:, 0]) and torch.equal(q1[:, 0], q8[:, 0]) and torch.equal(kv1[0], kv8[0])
+    assert torch.equal(f1[0], f8[0])
     assert not kv8.isnan().any()

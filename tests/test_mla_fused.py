@@ -218,6 +218,60 @@ def test_q_absorb_append_reads_split_partials(S):
         F.q_absorb_append(q, wuk, cos, sin, part[:0], wkv, slots, kv_split, 1e-6)
 
 
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_q_absorb_append_reads_q_partials(P):
+    """q as the q_b GEMM's f32 split-K partials [P, T, H, nope + R] (a strided view of a wider
+    buffer): the absorbed query and the cache rows equal those from the bf16 q of their split-order
+    sum bit for bit, and the torch backend's query within its bound; every untouched cache row keeps
+    its poison. A q that is neither bf16 [T, H, D] nor f32 [P >= 1, T, H, D] is refused."""
+    NP, PS, QL, T, H, nope, C, R = 4, 4, 24, 5, 3, 16, 40, 8
+    q, wuk, cos, sin, qkv, wkv, slots = _append_case(T, H, nope, R, C, NP, PS, seed=30 + P, q_lora=QL)
+    qp = _partials_of(q.reshape(T, -1), P, seed=40 + P).view(P, T, H, nope + R) if P > 1 else None
+    if qp is None:  # one split: a strided f32 view of the bf16 rows (exact)
+        buf = torch.full((1, T, H, nope + R + 4), float("nan"))
+        buf[0, :, :, :nope + R] = q.float()
+        qp = buf[..., :nope + R]
+    qb = G.splitk_sum_ref(qp)
+    kv_p, kv_b, kv_ref = (torch.full((NP, PS, C + R), float("nan"), dtype=torch.bfloat16) for _ in range(3))
+    cfg = {"BLOCK_T": 2, "BLOCK_C": 32, "BLOCK_K": 16}
+    kva = qkv[:, QL:]
+    out = F.q_absorb_append(qp, wuk, cos, sin, kva, wkv, slots, kv_p, 1e-6, config=cfg)
+    assert torch.equal(out, F.q_absorb_append(qb, wuk, cos, sin, kva, wkv, slots, kv_b, 1e-6, config=cfg))
+    assert torch.equal(kv_p.view(torch.int16), kv_b.view(torch.int16))  # the poison too: same rows written
+    ref = F.q_absorb_append(qp, wuk, cos, sin, kva, wkv, slots, kv_ref, 1e-6, backend="torch")
+    assert torch.equal(out[..., C:], ref[..., C:])
+    torch.testing.assert_close(out[..., :C].float(), ref[..., :C].float(), rtol=2 ** -7, atol=1e-2)
+    flat = lambda kv: kv.view(-1, C + R)  # noqa: E731
+    assert flat(kv_p).isnan().all(-1).sum() == NP * PS - T
+    for bad in (qp[:0], qp.double(), qp[0].float(), qp.to(torch.bfloat16)):
+        with pytest.raises((ValueError, TypeError), match="q must be"):
+            F.q_absorb_append(bad, wuk, cos, sin, kva, wkv, slots, kv_p, 1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 3, 6, 16])
+def test_q_absorb_append_block_t_changes_no_bit(T):
+    """BLOCK_T and BLOCK_C are launch-only keys (each M bucket takes its own): a tile under 16 rows
+    meets the 16-row dot padded with zeros, each row at its own place (row mod 16), and a column's
+    sum over NOPE runs in BLOCK_K steps whatever the column tile, so every row's absorbed query has
+    the same bits at BLOCK_T 1, 2, 4, 8, 16 and BLOCK_C 32, 64. The output is a view of a bigger poisoned
+    buffer: no row past T (nor of another program's part of the 16) is written."""
+    NP, PS, QL, H, nope, C, R = 8, 4, 24, 2, 16, 64, 8
+    q, wuk, cos, sin, qkv, wkv, slots = _append_case(T, H, nope, R, C, NP, PS, seed=50 + T, q_lora=QL)
+    qp = _partials_of(q.reshape(T, -1), 2, seed=T).view(2, T, H, nope + R)
+    outs = []
+    for bt, bc in ((1, 32), (2, 64), (4, 32), (8, 64), (16, 32), (16, 64)):
+        buf = poisoned((T + 16, H, C + R), torch.bfloat16)
+        kv = torch.full((NP, PS, C + R), float("nan"), dtype=torch.bfloat16)
+        F.mla_q_absorb_kv(qp, wuk, cos, sin, qkv[:, QL:].float()[None], wkv, slots, buf[:T], kv, 1e-6,
+                          config={"BLOCK_T": bt, "BLOCK_C": bc, "BLOCK_K": 16})
+        assert buf[T:].isnan().all() and not buf[:T].isnan().any()
+        outs.append(buf[:T].clone())
+    for o in outs[1:]:
+        assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16))
+    ref = F.mla_q_absorb_ref(G.splitk_sum_ref(qp), wuk, cos, sin)
+    torch.testing.assert_close(outs[0].float(), ref.float(), rtol=2 ** -7, atol=1e-2)
+
+
 def test_q_absorb_append_skips_padding_and_slots_past_the_cache():
     """slot -1 and slots past the capacity store nothing: the cache is a view of a bigger buffer whose
     guard pages must stay untouched; several programs per row (heads x DL tiles), one writer each."""
@@ -231,7 +285,7 @@ def test_q_absorb_append_skips_padding_and_slots_past_the_cache():
         b0 = buf.clone()
         out = poisoned((T, H, C + R), torch.bfloat16)
         if backend == "triton":
-            F.mla_q_absorb_kv(q, wuk, cos, sin, qkv[:, 24:].float()[None], wkv, slots, out, kv, 1e-6,
+            F.mla_q_absorb_kv(q.float()[None], wuk, cos, sin, qkv[:, 24:].float()[None], wkv, slots, out, kv, 1e-6,
                               config={"BLOCK_T": 2, "BLOCK_C": 32, "BLOCK_K": 16})
         else:
             out = F.q_absorb_append(q, wuk, cos, sin, qkv[:, 24:], wkv, slots, kv, 1e-6, backend="torch")
