@@ -279,14 +279,16 @@ def _compile(kernel: Any, target: Target, jobs: dict[tuple, tuple[dict, dict]], 
 
 def _launch_polish(kernel: Any, target: Target, prob: dict[str, Any], scored_prob: dict[str, Any], buckets: list[Any],
                    spaces: dict[Any, Any], jobs: dict[tuple, tuple[dict, dict]], reports: dict[tuple, dict[str, Any]],
-                   shared: tuple | None) -> dict[tuple, tuple[dict, dict]]:
+                   shared: tuple | None, tunables: tuple[str, ...] = ()) -> dict[tuple, tuple[dict, dict]]:
     """Jobs not yet compiled: every combination of the target's option domains (warps, stages,
     occupancy, ...) for the best compiled config of each bucket (with `shared`: the best one with
     that numerics tile). A sampled space rarely holds all of them for the winning tile (the
-    mla_combine_uv file tuned from 128 samples ran 4 warps where 8 halve its time)."""
+    mla_combine_uv file tuned from 128 samples ran 4 warps where 8 halve its time). `tunables`:
+    vary these kernel tunables (launch-only ones of a shared tile, ProblemModel.launch_keys) over the
+    bucket's domain instead of the options."""
     from .space import option_domains
 
-    opts = option_domains(target)
+    opts = {n: spaces[b].domains[n] for b in buckets[:1] for n in tunables} if tunables else option_domains(target)
     # a shared tile keeps its numerics: only the launch-only options may vary (kpack or the
     # matrix instruction shape can change the rounding)
     names = [n for n in opts if shared is None or n in launch_only_keys(kernel, dict(shared))]
@@ -304,7 +306,8 @@ def _launch_polish(kernel: Any, target: Target, prob: dict[str, Any], scored_pro
                 best = (rk, c)
         if best is None:
             continue
-        for vals in itertools.product(*(opts[n] for n in names)):
+        doms = [spaces[b].domains[n] if tunables else opts[n] for n in names]
+        for vals in itertools.product(*doms):
             c2 = {**best[1], **dict(zip(names, vals))}
             key = (_cfg_key(c2), cm)
             if key not in jobs and key not in new:
@@ -396,6 +399,13 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
         if pm.shared_numerics and mode == "static" else None
     # the sampled space holds few launch-option combinations of any one tile: compile them all for
     # each bucket's best tile (a cheap local search)
+    # a launch-only tunable of the shared tile (a BLOCK_M that changes no bit) was sampled with the
+    # tile at random: each bucket's best first tries every value of its domain, then the options
+    tun = tuple(n for n in pm.launch_keys if shared is not None and all(n in spaces[b].domains for b in buckets))
+    if tun and not budget_hit:
+        first = _launch_polish(kernel, target, prob, scored_prob, buckets, spaces, jobs, reports, shared, tun)
+        jobs.update(first)
+        budget_hit = _compile(kernel, target, first, reports, workers, deadline, progress)
     polish = {} if budget_hit else _launch_polish(kernel, target, prob, scored_prob, buckets, spaces, jobs, reports,
                                                     shared)
     if polish:
