@@ -92,13 +92,13 @@ def test_gemm_bf16_swiglu_wrapper_checks():
         W.gemm_bf16_swiglu(torch.randn(0, 3, 64), w)
 
 
-@pytest.mark.parametrize("M", [1, 2, 5, 8, 16, 19])
+@pytest.mark.parametrize("M", [1, 5, 19])
 def test_block_m_changes_no_bit(M):
     """BLOCK_M is a launch-only key (each M bucket takes its own): every row's bits are the same at
     BLOCK_M 1, 2, 4, 8, 16 and at any M, since a row meets the 16-row dot at its own place (row mod
     16) whatever the tile; within the stated bound of the reference. The output is a view of a bigger
     poisoned buffer: no row past M (nor of another program's part of the 16) is ever written."""
-    S, I, N = 8, 48, 32
+    S, I, N = 4, 32, 16
     g = torch.Generator().manual_seed(60 + M)
     part = torch.randn(S, 20, 2 * I, generator=g)
     w = (torch.randn(N, I, generator=g) * 0.2).bfloat16()
