@@ -482,3 +482,36 @@ def test_verify_problem_tunes_with_the_decode_files_numerics(tmp_path):
     assert sorted(probs, key=lambda p: later(K_, p)) == [p1, {**p1, "QL": 4}]
     with pytest.warns(UserWarning, match="tune it first"):
         assert search._reference_numerics(K_, t, {**p1, "QL": 4, "H": 16}, pm, str(tmp_path)) is None
+
+
+def test_launch_only_tunables_of_the_leading_tiles_are_compiled_before_the_joint_pick(monkeypatch):
+    """gemm_bf16_swiglu's BLOCK_M and N_TILES change no bit (ProblemModel.launch_keys): a tile the
+    sample held only at N_TILES=1 is slow at a large bucket there; before the joint pick the tuner
+    compiles the leading tiles at every value of those tunables, and the narrow tile (best at M=1,
+    as fast as the wide one at M=64 with 4 N tiles per program) then wins."""
+    from autotune import search
+    from ops.swiglu import gemm_bf16_swiglu_kernel as SW
+
+    t = get_target("gfx942")
+    base = {"BLOCK_K": 128, "BLOCK_M": 16, "num_warps": 4, "num_stages": 1, "waves_per_eu": 0, "kpack": 1,
+            "matrix_instr_nonkdim": 0}
+    narrow, wide = {**base, "BLOCK_N": 32, "N_TILES": 1}, {**base, "BLOCK_N": 128, "N_TILES": 1}
+
+    def fake_score(kernel, target, prob, m, c, rep):
+        if c["BLOCK_N"] == 128:
+            return {"predicted_us": 2.0}
+        return {"predicted_us": 1.0 if m == 1 else 2.0 if c["N_TILES"] == 4 else 6.0}
+
+    monkeypatch.setattr(search, "score", fake_score)
+    prob, buckets = {"N": 7168, "I": 256, "S": 8}, [1, 64]
+    jobs = {(search._cfg_key(c), search.REPORT_M): (c, {}) for c in (narrow, wide)}
+    reports = {k: {"ok": True} for k in jobs}
+    assert dict(search._shared_numerics(SW, t, prob, buckets, jobs, reports))["BLOCK_N"] == 128
+    spaces = {b: search.build(SW, t, {"S": 8}, b, seed=0, max_candidates=1) for b in buckets}
+    new = search._launch_tunable_jobs(SW, t, prob, prob, buckets, spaces, jobs, reports, ("BLOCK_M", "N_TILES"))
+    assert {(c["BLOCK_N"], c["BLOCK_M"], c["N_TILES"]) for c, _ in new.values()} >= {(32, 16, 4), (128, 1, 2)}
+    assert {search._numerics(c, SW) for c, _ in new.values()} == {search._numerics(narrow, SW),
+                                                                 search._numerics(wide, SW)}
+    jobs.update(new)
+    reports.update({k: {"ok": True} for k in new})
+    assert dict(search._shared_numerics(SW, t, prob, buckets, jobs, reports))["BLOCK_N"] == 32

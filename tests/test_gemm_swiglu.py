@@ -94,21 +94,23 @@ def test_gemm_bf16_swiglu_wrapper_checks():
 
 @pytest.mark.parametrize("M", [1, 5, 19])
 def test_block_m_changes_no_bit(M):
-    """BLOCK_M is a launch-only key (each M bucket takes its own): every row's bits are the same at
-    BLOCK_M 1, 2, 4, 8, 16 and at any M, since a row meets the 16-row dot at its own place (row mod
-    16) whatever the tile; within the stated bound of the reference. The output is a view of a bigger
-    poisoned buffer: no row past M (nor of another program's part of the 16) is ever written."""
-    S, I, N = 4, 32, 16
+    """BLOCK_M and N_TILES are launch-only keys (each M bucket takes its own): every row's bits are
+    the same at BLOCK_M 1, 2, 4, 8, 16, at 1, 2 or 4 BLOCK_N tiles per program and at any M, since a
+    row meets the 16-row dot at its own place (row mod 16) whatever the tile and each N tile is its
+    own BLOCK_N dot; within the stated bound of the reference. The output is a view of a bigger
+    poisoned buffer: no row past M (nor of another program's part of the 16) nor column past N is
+    ever written."""
+    S, I, N = 4, 32, 48   # 48: the last of 4 N tiles lies past N
     g = torch.Generator().manual_seed(60 + M)
     part = torch.randn(S, 20, 2 * I, generator=g)
     w = (torch.randn(N, I, generator=g) * 0.2).bfloat16()
     cfg = {"BLOCK_N": 16, "BLOCK_K": 32}
     outs = []
-    for bm in (1, 2, 4, 8, 16):
-        buf = poisoned((M + 16, N), torch.bfloat16)
-        W.gemm_bf16_swiglu_kernel(part[:, :M], w, buf[:M], config={**cfg, "BLOCK_M": bm})
-        assert buf[M:].isnan().all() and not buf[:M].isnan().any()
-        outs.append(buf[:M].clone())
+    for bm, tiles in ((1, 1), (2, 2), (4, 1), (8, 4), (16, 2)):
+        buf = poisoned((M + 16, N + 16), torch.bfloat16)
+        W.gemm_bf16_swiglu_kernel(part[:, :M], w, buf[:M, :N], config={**cfg, "BLOCK_M": bm, "N_TILES": tiles})
+        assert buf[M:].isnan().all() and buf[:, N:].isnan().all() and not buf[:M, :N].isnan().any()
+        outs.append(buf[:M, :N].clone())
     full = poisoned((20, N), torch.bfloat16)
     W.gemm_bf16_swiglu_kernel(part, w, full, config={**cfg, "BLOCK_M": 4})
     for o in outs[1:] + [full[:M]]:
