@@ -79,6 +79,18 @@ def _shared_numerics(kernel: Any, target: Target, prob: dict[str, Any], buckets:
     the least summed slowdown over the buckets (each bucket's time with that tile and its best launch
     keys, over the bucket's best time with any tile). Picking the M=1 bucket's favourite instead can
     cost the verify rows twice their floor (a 1-row tile re-reads the weights per row)."""
+    total, per = _tile_totals(kernel, target, prob, buckets, jobs, reports)
+    if not total:
+        return None
+    first = buckets[0]
+    return min(total, key=lambda nk: (total[nk], per[nk][first], nk))
+
+
+def _tile_totals(kernel: Any, target: Target, prob: dict[str, Any], buckets: list[Any],
+                 jobs: dict[tuple, tuple[dict, dict]], reports: dict[tuple, dict[str, Any]]
+                 ) -> tuple[dict[tuple, float], dict[tuple, dict[Any, float]]]:
+    """Per numerics tile: its summed slowdown over the buckets (tiles compiled for every bucket) and
+    its best time at each bucket, among the compiled candidates."""
     best: dict[Any, float] = {}
     per: dict[tuple, dict[Any, float]] = {}
     for (ck, cm), (c, _) in jobs.items():
@@ -96,10 +108,50 @@ def _shared_numerics(kernel: Any, target: Target, prob: dict[str, Any], buckets:
             d[b] = min(d.get(b, math.inf), t)
             best[b] = min(best.get(b, math.inf), t)
     total = {nk: sum(d[b] / best[b] for b in buckets) for nk, d in per.items() if all(b in d for b in buckets)}
-    if not total:
-        return None
+    return total, per
+
+
+LAUNCH_TUNABLE_TILES = 2  # tiles (joint favourites, then the first bucket's) whose launch tunables are compiled
+
+
+def _launch_tunable_jobs(kernel: Any, target: Target, prob: dict[str, Any], scored_prob: dict[str, Any],
+                         buckets: list[Any], spaces: dict[Any, Any], jobs: dict[tuple, tuple[dict, dict]],
+                         reports: dict[tuple, dict[str, Any]], tunables: tuple[str, ...]) -> dict[tuple, tuple[dict, dict]]:
+    """Jobs that give the leading numerics tiles every combination of the kernel's launch-only
+    tunables (a BLOCK_M, gemm_bf16_swiglu's N_TILES) in each bucket's domain, before the joint pick:
+    the sample held each tile with random values of them, so a tile the first bucket favours could
+    lose the joint pick on a bucket where it only ran with a poor one. The leading tiles: the
+    LAUNCH_TUNABLE_TILES best by summed slowdown and as many best at the first bucket; each keeps
+    the other keys of its best config at the first bucket."""
+    total, per = _tile_totals(kernel, target, scored_prob, buckets, jobs, reports)
     first = buckets[0]
-    return min(total, key=lambda nk: (total[nk], per[nk][first], nk))
+    lead = sorted(total, key=lambda nk: (total[nk], nk))[:LAUNCH_TUNABLE_TILES]
+    lead += [nk for nk in sorted(per, key=lambda nk: (per[nk].get(first, math.inf), nk)) if nk not in lead][
+        :LAUNCH_TUNABLE_TILES]
+    new: dict[tuple, tuple[dict, dict]] = {}
+    m1 = bucket_m(first)
+    for nk in lead:
+        base = None
+        for (ck, cm), (c, _) in jobs.items():
+            rep = reports.get((ck, cm))
+            if rep is None or _numerics(c, kernel) != nk or cm != compile_m(kernel, prob, m1, target):
+                continue
+            t = float(score(kernel, target, scored_prob, m1, c, rep)["predicted_us"])
+            if math.isfinite(t) and (base is None or t < base[0]):
+                base = (t, c)
+        if base is None:
+            continue
+        for b in buckets:
+            cm = compile_m(kernel, prob, bucket_m(b), target)
+            for vals in itertools.product(*(spaces[b].domains[n] for n in tunables)):
+                c2 = {**base[1], **dict(zip(tunables, vals))}
+                key = (_cfg_key(c2), cm)
+                if key in jobs or key in new:
+                    continue
+                dims = full_dims(kernel, prob, cm, c2, target)
+                if _traces(kernel, target, c2, dims):  # values the tile's rules refuse are pruned
+                    new[key] = (c2, dims)
+    return new
 
 
 def with_numerics(candidates: list[dict[str, Any]], numerics: tuple, kernel: Any = None) -> list[dict[str, Any]]:
@@ -299,8 +351,7 @@ def _launch_polish(kernel: Any, target: Target, prob: dict[str, Any], scored_pro
         best = None
         for (ck, jm), (c, _) in jobs.items():
             rep = reports.get((ck, jm))
-            if jm != cm or rep is None or not rep.get("ok", True) or \
-                    not (spaces[b].admits(c) if shared is None else _numerics(c, kernel) == shared):
+            if jm != cm or rep is None or not (spaces[b].admits(c) if shared is None else _numerics(c, kernel) == shared):
                 continue
             rk = costmodel.rank_key(score(kernel, target, scored_prob, m, c, rep))
             if math.isfinite(rk[1]) and (best is None or rk < best[0]):
@@ -411,13 +462,18 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
                 jobs.setdefault((_cfg_key(c), cm), (c, full_dims(kernel, prob, cm, c, target)))
     reports: dict[tuple, dict[str, Any]] = {}
     budget_hit = _compile(kernel, target, jobs, reports, workers, deadline, progress)
+    tun = tuple(n for n in pm.launch_keys if pm.shared_numerics and all(n in spaces[b].domains for b in buckets))
+    if tun and forced is None and mode == "static" and not budget_hit:
+        lead = _launch_tunable_jobs(kernel, target, prob, scored_prob, buckets, spaces, jobs, reports, tun)
+        jobs.update(lead)
+        budget_hit = _compile(kernel, target, lead, reports, workers, deadline, progress)
     shared = forced if forced is not None else _shared_numerics(kernel, target, scored_prob, buckets, jobs, reports) \
         if pm.shared_numerics and mode == "static" else None
     # the sampled space holds few launch-option combinations of any one tile: compile them all for
     # each bucket's best tile (a cheap local search)
     # a launch-only tunable of the shared tile (a BLOCK_M that changes no bit) was sampled with the
     # tile at random: each bucket's best first tries every value of its domain, then the options
-    tun = tuple(n for n in pm.launch_keys if shared is not None and all(n in spaces[b].domains for b in buckets))
+    tun = tun if shared is not None else ()
     if tun and not budget_hit:
         first = _launch_polish(kernel, target, prob, scored_prob, buckets, spaces, jobs, reports, shared, tun)
         jobs.update(first)

@@ -196,7 +196,9 @@ MODELS: list[ProblemModel] = [
     ProblemModel("gemm_bf16_swiglu", ("N", "I", "S"), peak_dtype="bf16", loop_dim="I",
                  bytes_fn=lambda p, m: p["N"] * p["I"] * 2 + m * p["I"] * 2 + m * p["N"] * 2,
                  flops_fn=lambda p, m: 2.0 * m * p["N"] * p["I"], derived=lambda p, m, c: {"N2": 2 * p["I"]},
-                 shared_numerics=True),
+                 # a row sits at its own place (row mod 16) of one aligned 16-row dot at any BLOCK_M; a
+                 # program's N_TILES dots are each a BLOCK_N dot of the same A tile
+                 shared_numerics=True, launch_keys=("BLOCK_M", "N_TILES")),
     ProblemModel("gemm_bf16*", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],
                  flops_fn=_gemm(2, 2, "bf16")[1], shared_numerics=True),
     ProblemModel("gemm_fp8*", ("N", "K"), peak_dtype="fp8", bytes_fn=_gemm(1, 1, "fp8")[0],

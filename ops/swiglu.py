@@ -15,9 +15,10 @@ import torch
 
 import kdsl as kd
 from ops._common import check_backend, check_tensor, config_for, invariant_config
-from ops.gemm import BK_DOMAIN, BM_DOMAIN, BN_DOMAIN, gemm_bf16_ref, splitk_sum_ref
+from ops.gemm import BK_DOMAIN, BN_DOMAIN, MMA_ROWS, NORM_BM_DOMAIN, _mma_rows, gemm_bf16_ref, splitk_sum_ref
 
 EXAMPLE = {"S": 4, "M": 1, "N2": 512, "I": 256, "N": 7168}
+N_TILES_DOMAIN = (1, 2, 4)
 
 
 def _split_rows(part, rows, cols):
@@ -38,17 +39,34 @@ def gemm_bf16_swiglu_kernel(part: kd.In["S", "M", "N2", kd.f32], w: kd.In["N", "
     """out = bf16(silu(gate) * up) @ w^T with gate | up = the split-K rows of `part` as
     ops.gemm.splitk_rows reads them (added in split order, rounded to bf16; S static): the partials are
     re-added per A tile, so a program reads S x 2 x its rows' K tile (L2-resident after the first
-    N tile has read them)."""
-    m, n = kd.grid(kd.tile("M", "BLOCK_M", domain=BM_DOMAIN, default=16),
-                   kd.tile("N", "BLOCK_N", domain=BN_DOMAIN, default=64))
+    N tile has read them). That elementwise prologue (the kernel's cost at decode sizes) runs over the
+    BLOCK_M rows of the tile only: a tile under 16 rows (no padding rows at M=2) is placed by kd.pad
+    at its own rows of the aligned 16 of the matrix dot (zeros around it, ops.gemm._mma_rows), so a
+    row's bits do not depend on BLOCK_M (1 to 16: a launch-only key, each M bucket takes its own).
+    The prologue is redone by every program along N: a program may cover N_TILES tiles of BLOCK_N
+    columns, each its own BLOCK_N dot of its one A tile (same bits, launch-only), so decode takes
+    narrow tiles (many programs) and prefill shares the prologue among several."""
+    bn = kd.tunable("BLOCK_N", BN_DOMAIN, 64)
+    tiles_n = kd.tunable("N_TILES", N_TILES_DOMAIN, 1, "BLOCK_N tiles per program, each its own dot of the "
+                         "program's one A tile: the prologue is shared, a tile's bits are not changed (launch-only)")
+    m, nt = kd.grid(kd.tile("M", "BLOCK_M", domain=NORM_BM_DOMAIN, default=16), kd.tile("N", bn * tiles_n))
+    ns = [kd.span(nt.start + j * bn, bn, kd.dim("N"), "N") for j in range(tiles_n)]
     I = kd.dim("I")
+    small = m.size < MMA_ROWS
+    mm, place = _mma_rows(m) if small else (m, 0)
 
-    def body(k, acc):
+    def body(k, *accs):
         a = (kd.silu(_split_rows(part, m, k)) * _split_rows(part, m, k + I)).to(kd.bf16)
-        return acc + kd.dot(a, w[n, k])
+        a = kd.pad(a, m, mm, offset=place) if small else a
+        return tuple(acc + kd.dot(a, w[n, k]) for acc, n in zip(accs, ns))
 
     ks = kd.tiles("I", block="BLOCK_K", domain=BK_DOMAIN, default=64)
-    out[m, n] = kd.fold(ks, kd.zeros((m, n), kd.f32), body)
+    accs = kd.fold(ks, tuple(kd.zeros((mm, n), kd.f32) for n in ns), body)
+    for acc, n in zip(accs if isinstance(accs, tuple) else (accs,), ns):
+        if small:
+            kd.store(out, (mm, n), acc, mask=m.start <= mm)
+        else:
+            out[mm, n] = acc
 
 
 KERNELS = (gemm_bf16_swiglu_kernel,)

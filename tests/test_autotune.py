@@ -487,7 +487,8 @@ def test_verify_problem_tunes_with_the_decode_files_numerics(tmp_path):
 def test_launch_polish_of_launch_only_tunables_skips_values_the_tile_refuses(monkeypatch):
     """The polish of a shared tile's launch-only tunables (gemm_bf16_rmsnorm's BLOCK_M) tries every
     value of the bucket's domain but drops those the tile's rules refuse (BLOCK_M under 16 with the
-    2-D sum of squares, ROW_SQUARES=0), as the space's pruning does, and ignores failed compiles."""
+    2-D sum of squares, ROW_SQUARES=0), as the space's pruning does; so does the compile of the
+    leading tiles' launch-only tunables before the joint pick."""
     from autotune import search
     from ops.gemm import gemm_bf16_rmsnorm_kernel as R
 
@@ -499,10 +500,43 @@ def test_launch_polish_of_launch_only_tunables_skips_values_the_tile_refuses(mon
     spaces = {b: search.build(R, t, {"S": 1, "P": 1}, b, seed=0, max_candidates=1) for b in (1, 8)}
     for rs, want in ((0, set()), (1, {1, 2, 4, 8})):   # BLOCK_M=16 is compiled already
         c = {**base, "BLOCK_M": 16, "ROW_SQUARES": rs}
-        failed = {**c, "BLOCK_N": 32}
-        jobs = {(search._cfg_key(x), search.REPORT_M): (x, {}) for x in (c, failed)}
-        reports = {k: {"ok": x is c} for k, (x, _) in jobs.items()}
+        jobs = {(search._cfg_key(c), search.REPORT_M): (c, {})}
+        reports = {k: {"ok": True} for k in jobs}
         new = search._launch_polish(R, t, prob, prob, [1, 8], spaces, jobs, reports, search._numerics(c, R),
                                     ("BLOCK_M",))
         assert {x["BLOCK_M"] for x, _ in new.values()} == want, rs
-        assert {x["BLOCK_N"] for x, _ in new.values()} <= {16}
+        lead = search._launch_tunable_jobs(R, t, prob, prob, [1, 8], spaces, jobs, reports, ("BLOCK_M",))
+        assert {x["BLOCK_M"] for x, _ in lead.values()} == want, rs
+
+
+def test_launch_only_tunables_of_the_leading_tiles_are_compiled_before_the_joint_pick(monkeypatch):
+    """gemm_bf16_swiglu's BLOCK_M and N_TILES change no bit (ProblemModel.launch_keys): a tile the
+    sample held only at N_TILES=1 is slow at a large bucket there; before the joint pick the tuner
+    compiles the leading tiles at every value of those tunables, and the narrow tile (best at M=1,
+    as fast as the wide one at M=64 with 4 N tiles per program) then wins."""
+    from autotune import search
+    from ops.swiglu import gemm_bf16_swiglu_kernel as SW
+
+    t = get_target("gfx942")
+    base = {"BLOCK_K": 128, "BLOCK_M": 16, "num_warps": 4, "num_stages": 1, "waves_per_eu": 0, "kpack": 1,
+            "matrix_instr_nonkdim": 0}
+    narrow, wide = {**base, "BLOCK_N": 32, "N_TILES": 1}, {**base, "BLOCK_N": 128, "N_TILES": 1}
+
+    def fake_score(kernel, target, prob, m, c, rep):
+        if c["BLOCK_N"] == 128:
+            return {"predicted_us": 2.0}
+        return {"predicted_us": 1.0 if m == 1 else 2.0 if c["N_TILES"] == 4 else 6.0}
+
+    monkeypatch.setattr(search, "score", fake_score)
+    prob, buckets = {"N": 7168, "I": 256, "S": 8}, [1, 64]
+    jobs = {(search._cfg_key(c), search.REPORT_M): (c, {}) for c in (narrow, wide)}
+    reports = {k: {"ok": True} for k in jobs}
+    assert dict(search._shared_numerics(SW, t, prob, buckets, jobs, reports))["BLOCK_N"] == 128
+    spaces = {b: search.build(SW, t, {"S": 8}, b, seed=0, max_candidates=1) for b in buckets}
+    new = search._launch_tunable_jobs(SW, t, prob, prob, buckets, spaces, jobs, reports, ("BLOCK_M", "N_TILES"))
+    assert {(c["BLOCK_N"], c["BLOCK_M"], c["N_TILES"]) for c, _ in new.values()} >= {(32, 16, 4), (128, 1, 2)}
+    assert {search._numerics(c, SW) for c, _ in new.values()} == {search._numerics(narrow, SW),
+                                                                 search._numerics(wide, SW)}
+    jobs.update(new)
+    reports.update({k: {"ok": True} for k in new})
+    assert dict(search._shared_numerics(SW, t, prob, buckets, jobs, reports))["BLOCK_N"] == 32

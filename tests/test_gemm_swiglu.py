@@ -1,8 +1,9 @@
 """gemm_bf16_swiglu (ops/swiglu.py): the MLP down GEMM over split-K gate|up partial sums.
 
 Tolerances: bit-exact against the two-launch path (the partials summed in split order and the
-SwiGLU rows rounded to bf16 by the reference, then gemm_bf16 at the same tile config: same f32
-accumulation order); against the float64 GEMM over those rows: one bf16 rounding of the output plus
+SwiGLU rows rounded to bf16 by the reference, then gemm_bf16 at the same BLOCK_N/BLOCK_K with its
+16-row tile: the fused kernel places its BLOCK_M rows at their own rows of the aligned 16, zeros
+around them, so BLOCK_M changes no bit: test_block_m_changes_no_bit); against the float64 GEMM over those rows: one bf16 rounding of the output plus
 f32 accumulation, |err| <= 2 bf16 ulp of |y| + 1e-5 * sum|a||w|."""
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def _ulp(y: torch.Tensor) -> torch.Tensor:
     (3, 3, 40, 48, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}),
     (4, 5, 64, 80, {"BLOCK_M": 4, "BLOCK_N": 32, "BLOCK_K": 64}),
     (2, 17, 48, 32, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64}),
+    (8, 19, 48, 32, {"BLOCK_M": 8, "BLOCK_N": 16, "BLOCK_K": 32}),
 ])
 def test_gemm_bf16_swiglu(S, M, I, N, cfg):
     g = torch.Generator().manual_seed(S * 1000 + M * 10 + I)
@@ -33,7 +35,7 @@ def test_gemm_bf16_swiglu(S, M, I, N, cfg):
     W.gemm_bf16_swiglu_kernel(part, w, out, config=cfg)
     assert not out.isnan().any()
     h = W.swiglu_of_partials_ref(part)
-    assert torch.equal(out, G.gemm_bf16(h, w, config=cfg))
+    assert torch.equal(out, G.gemm_bf16(h, w, config={**cfg, "BLOCK_M": 16}))   # each row at row mod 16
     ref = h.double() @ w.double().T
     bound = 2 * _ulp(ref).double() + 1e-5 * (h.double().abs() @ w.double().abs().T)
     assert ((out.double() - ref).abs() <= bound).all()
@@ -88,3 +90,32 @@ def test_gemm_bf16_swiglu_wrapper_checks():
         W.gemm_bf16_swiglu(part, w, backend="cuda")
     with pytest.raises(ValueError, match="at least one split"):
         W.gemm_bf16_swiglu(torch.randn(0, 3, 64), w)
+
+
+@pytest.mark.parametrize("M", [1, 5, 19])
+def test_block_m_changes_no_bit(M):
+    """BLOCK_M and N_TILES are launch-only keys (each M bucket takes its own): every row's bits are
+    the same at BLOCK_M 1, 2, 4, 8, 16, at 1, 2 or 4 BLOCK_N tiles per program and at any M, since a
+    row meets the 16-row dot at its own place (row mod 16) whatever the tile and each N tile is its
+    own BLOCK_N dot; within the stated bound of the reference. The output is a view of a bigger
+    poisoned buffer: no row past M (nor of another program's part of the 16) nor column past N is
+    ever written."""
+    S, I, N = 4, 32, 48   # 48: the last of 4 N tiles lies past N
+    g = torch.Generator().manual_seed(60 + M)
+    part = torch.randn(S, 20, 2 * I, generator=g)
+    w = (torch.randn(N, I, generator=g) * 0.2).bfloat16()
+    cfg = {"BLOCK_N": 16, "BLOCK_K": 32}
+    outs = []
+    for bm, tiles in ((1, 1), (2, 2), (4, 1), (8, 4), (16, 2)):
+        buf = poisoned((M + 16, N + 16), torch.bfloat16)
+        W.gemm_bf16_swiglu_kernel(part[:, :M], w, buf[:M, :N], config={**cfg, "BLOCK_M": bm, "N_TILES": tiles})
+        assert buf[M:].isnan().all() and buf[:, N:].isnan().all() and not buf[:M, :N].isnan().any()
+        outs.append(buf[:M, :N].clone())
+    full = poisoned((20, N), torch.bfloat16)
+    W.gemm_bf16_swiglu_kernel(part, w, full, config={**cfg, "BLOCK_M": 4})
+    for o in outs[1:] + [full[:M]]:
+        assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16))
+    h = W.swiglu_of_partials_ref(part[:, :M])
+    ref = h.double() @ w.double().T
+    bound = 2 * _ulp(ref).double() + 1e-5 * (h.double().abs() @ w.double().abs().T)
+    assert ((outs[0].double() - ref).abs() <= bound).all()

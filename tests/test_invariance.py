@@ -239,3 +239,23 @@ def test_mla_front_split_k_rows_batch1_equal_batch8(arch: str) -> None:
     assert torch.equal(p1[:, 0], p8[:, 0]) and torch.equal(q1[:, 0], q8[:, 0]) and torch.equal(kv1[0], kv8[0])
     assert torch.equal(f1[0], f8[0])
     assert not kv8.isnan().any()
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_swiglu_rows_batch1_equal_batch8(arch: str) -> None:
+    """The shared expert's down GEMM over split-K partials: each batch size runs its own bucket's
+    BLOCK_M and N_TILES (launch-only) with the M=1 entry's numerics tile, and a row's bits are the
+    same alone and in a batch of 8 (with 64 and 128 rows' configs too)."""
+    from ops import swiglu
+
+    g = torch.Generator().manual_seed(9)
+    S, M, I, N = 8, 8, 32, 96
+    part = torch.randn(S, M, 2 * I, generator=g)
+    w = (torch.randn(N, I, generator=g) * 0.2).bfloat16()
+    prob = {"N": 7168, "I": 256, "S": 8}
+    cfg = {m: invariant_config(swiglu.gemm_bf16_swiglu_kernel, prob, m, None, arch=arch) for m in (1, 8, 128)}
+    assert len({str(_numerics(c, swiglu.gemm_bf16_swiglu_kernel)) for c in cfg.values()}) == 1
+    assert len({(c.get("BLOCK_M"), c.get("N_TILES")) for c in cfg.values()}) > 1   # the launch keys do vary
+    one = swiglu.gemm_bf16_swiglu(part[:, 3:4], w, config=cfg[1])
+    for m in (8, 128):
+        assert torch.equal(swiglu.gemm_bf16_swiglu(part, w, config=cfg[m])[3], one[0])
