@@ -223,7 +223,7 @@ def mla_q_absorb_kv(q: kd.In["P", "T", "H", "DQK", kd.f32], wuk: kd.In["H", "NOP
     tile under 16 rows is padded with zeros to the aligned 16 of the matrix dot, each row at its own
     place (row mod 16: ops.gemm._mma_rows), so BLOCK_T (1 to 16) changes no bit, nor does BLOCK_C
     (a column sums over NOPE in BLOCK_K steps): each M bucket takes its own."""
-    t, c, h = kd.grid(kd.tile("T", "BLOCK_T", domain=(1, 2, 4, 8, 16), default=16),
+    t, c, h = kd.grid(kd.tile("T", "BLOCK_T", domain=(1, 2, 4, 8, 16), default=1),
                       kd.tile("DL", "BLOCK_C", domain=(32, 64, 128, 256, 512), default=128), kd.each("H"))
     NOPE = kd.static("NOPE")
     DL = kd.static("DL")
