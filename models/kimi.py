@@ -366,8 +366,9 @@ class _MLA:
         the plain GEMM at its small N) -> q_b GEMM with the split sum and the q_a RMSNorm in its
         prologue (gemm_bf16_rmsnorm, reading the q_a columns of the partials in place, itself split
         along K into f32 partials: q_b's N is small at TP8) -> mla_q_absorb_kv (the q split sum, W_UK,
-        the q rope, and the kv split sum, kv norm, k rope and cache append by one program per row) -> mla_decode_split -> mla_combine_uv (the split merge and W_UV, writing
-        o_proj's input) -> o_proj GEMM. Both consumers add the partials in split order and round to
+        the q rope, and the kv split sum, kv norm, k rope and cache append by one program per row) ->
+        mla_decode_split -> mla_combine_uv (the split merge and W_UV, writing o_proj's input) -> o_proj
+        GEMM. Both consumers add the partials in split order and round to
         bf16, the row the plain GEMM would have stored. A quantized q_a|kv_a or q_b, or separate q_a /
         kv_a take the 7-launch form (mla_prep, then the q_b GEMM and mla_q_absorb). Same math as the
         torch path below."""
@@ -383,8 +384,8 @@ class _MLA:
         if self.qkv_a is not None and self.qkv_a.dense is not None and self.q_b.dense is not None:
             part = gemm_bf16_splitk(x.to(torch.bfloat16), self.qkv_a.dense)   # [S, T, ql + C + r] f32
             q = gemm_bf16_rmsnorm(part[:, :, :ql], self.q_norm.w, self.q_b.dense, self.q_norm.eps, partials=True)
-            qf = q_absorb_append(q.view(q.shape[0], T, H, nope + r), self.w_uk, cos, sin, part[:, :, ql:], wkv, ctx.slots, kvl,
-                                 eps)
+            qf = q_absorb_append(q.view(q.shape[0], T, H, nope + r), self.w_uk, cos, sin, part[:, :, ql:], wkv,
+                                 ctx.slots, kvl, eps)
         else:
             if self.qkv_a is not None:
                 q = self.q_b(mla_prep(self.qkv_a(x), self.q_norm.w, wkv, cos, sin, ctx.slots, kvl, eps, q_lora=ql))
