@@ -32,10 +32,14 @@ MAX_Q_LEN = 8
 NEG_BIG = -1.0e30  # finite "minus infinity" for the running max: keeps exp2(m_old - m_new) finite
 MAX_SPLITS = 128
 # The split cap of a batch-invariant MLA launch is set so that a query row's partials (heads x splits
-# rows of DL f32) stay bounded: 32 splits at Kimi's 64 heads (one GPU), the full MAX_SPLITS at 8 or
-# 16 heads (TP8 / TP4), where 32 splits leave most CUs idle. A model constant per rank (the heads),
+# rows of DL f32, 8 MiB at DL 512) stay bounded: 64 splits at Kimi's 64 heads (one GPU), the full
+# MAX_SPLITS at 8 or 16 heads (TP8 / TP4), where fewer splits leave most CUs idle. At 64 heads a cap
+# of 32 cut an 8k context (plus MAX_Q_LEN - 1) into 32 chunks of 272 tokens instead of the
+# tuned 256; 64 keeps the chunk at SPLIT_TOKENS up to a 16k context. The price is partial traffic
+# (the split kernel writes and the combine reads heads x splits x DL f32 per row) and memory: at
+# batch 32, q_len 4 and 64 splits the partial buffer is 1 GiB. A model constant per rank (the heads),
 # so a row's numerics still depend on neither the batch nor q_len.
-MAX_SPLIT_ROWS = 2048
+MAX_SPLIT_ROWS = 4096
 DEFAULT_MAX_SPLITS = 32  # paged MHA: its split cap
 
 

@@ -567,7 +567,7 @@ def _combine_uv_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Pr
     CTX is given): a batch-invariant plan over a table that holds the context and the new token,
     in pages of 64 (bench.step's table: 8193 tokens -> 129 pages -> 8256), with the SPLIT_TOKENS of
     the arch's tuned split kernel, capped at max_splits_for(H): gfx942 H=8: 128 -> 65 splits (the
-    65th covers the new token), gfx950 H=8 or 16: 64 -> 128 (the cap), H=64: 256 -> 32 (the cap).
+    65th covers the new token), gfx950 H=8 or 16: 64 -> 128 (the cap), H=64: 256 -> 33 (the cap is 64).
     S is a compile-time dim and sets the split loop's trips, so scoring at another S (the old fixed
     256: 32 at H=8) tunes BLOCK_S for a loop the step does not run."""
     if "S" in d:
