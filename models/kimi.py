@@ -225,8 +225,9 @@ class _MoE:
 
     def fused_block(self, a: torch.Tensor, h: torch.Tensor, n2: RMSNorm, nxt: RMSNorm
                     ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """The MoE half of a decoder layer on triton, from the (all-reduced) attention output `a` and
-        the residual stream `h` (only read) to (the next norm's output, the new residual stream):
+        """The MoE half of a decoder layer on triton, from the (all-reduced) attention output `a` (at
+        world size 1 o_proj's split-K partials, which the first norm adds) and the residual stream `h`
+        (only read) to (the next norm's output, the new residual stream):
         rmsnorm_add(_quant) -> one split-K GEMM for the shared expert's gate|up and the router (its own
         gate GEMM when the shared expert is not dense bf16), route + align (one launch up to 4 tokens)
         -> stage 1 -> stage 2 (partial rows) -> the shared expert's SiLU*up and down in one GEMM -> at
@@ -327,12 +328,15 @@ class _MLA:
         self.fused = True        # triton: the fused MLA kernels (ops.mla_fused); False runs the unfused ops
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache, layer: int,
-                 ctx: StepCtx) -> torch.Tensor:
+                 ctx: StepCtx, partials: bool = False) -> torch.Tensor:
+        """The attention output [T, hidden]; `partials` lets the fused triton path return o_proj's f32
+        split-K partials [S, T, hidden] instead (a dense bf16 o_proj: see `_fused`), which only the
+        residual-add norms (RMSNorm.add_norm / add_norm_quant) may read."""
         from ops.rope import apply_rope, rope_ref
 
         c = self.cfg
         if self.backend == "triton" and self.fused:
-            return self._fused(x, cos, sin, cache.kv[layer], ctx)
+            return self._fused(x, cos, sin, cache.kv[layer], ctx, partials)
         T = x.shape[0]
         H, nope, r, C = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         if self.qkv_a is not None:
@@ -360,7 +364,7 @@ class _MLA:
         return self.o_proj(o.transpose(0, 1).reshape(T, H * c.v_head_dim))
 
     def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvl: torch.Tensor,
-               ctx: StepCtx) -> torch.Tensor:
+               ctx: StepCtx, partials: bool = False) -> torch.Tensor:
         """The triton path in 6 launches (q_a|kv_a as one bf16 GEMM, a bf16 q_b): the q_a|kv_a GEMM
         split along K (gemm_bf16_splitk: f32 partials [S, T, q_lora + C + r], S times the programs of
         the plain GEMM at its small N) -> q_b GEMM with the split sum and the q_a RMSNorm in its
@@ -369,7 +373,10 @@ class _MLA:
         the q rope, and the kv split sum, kv norm, k rope and cache append by one program per row) ->
         mla_decode_split -> mla_combine_uv (the split merge and W_UV, writing o_proj's input) -> o_proj
         GEMM. Both consumers add the partials in split order and round to
-        bf16, the row the plain GEMM would have stored. A quantized q_a|kv_a or q_b, or separate q_a /
+        bf16, the row the plain GEMM would have stored. `partials` (world size 1, a dense bf16 o_proj):
+        o_proj is split along K too (gemm_bf16_splitk: at decode sizes its N=hidden tiles alone leave
+        CUs idle) and its f32 partials are returned for the residual-add norm that follows, which adds
+        them in split order and rounds to bf16 the same way. A quantized q_a|kv_a or q_b, or separate q_a /
         kv_a take the 7-launch form (mla_prep, then the q_b GEMM and mla_q_absorb). Same math as the
         torch path below."""
         from ops.gemm import gemm_bf16_rmsnorm, gemm_bf16_splitk
@@ -393,8 +400,10 @@ class _MLA:
                 mla_prep(self.kv_a(x), None, wkv, cos, sin, ctx.slots, kvl, eps, q_lora=0)
                 q = self.q_b(self.q_norm(self.q_a(x))) if ql else self.q_proj(x)
             qf = q_absorb(q.view(T, H, nope + r), self.w_uk, cos, sin)                # [T, H, C + r]
-        o = self._decode(qf, kvl, ctx, tree, self.w_uv_t)                             # [T, H, v]
-        return self.o_proj(o.view(T, H * c.v_head_dim))
+        o = self._decode(qf, kvl, ctx, tree, self.w_uv_t).view(T, H * c.v_head_dim)  # [T, H * v]
+        if partials and self.o_proj.dense is not None and self.o_proj.dense.dtype == torch.bfloat16:
+            return gemm_bf16_splitk(o, self.o_proj.dense)                             # [S, T, hidden] f32
+        return self.o_proj(o)
 
     def _tree(self, ctx: StepCtx) -> Optional[torch.Tensor]:
         """The tree mask the triton decode takes (int8 [B, QL, TW] over the last TW cached rows: TW = QL
@@ -534,7 +543,10 @@ class KimiModel:
         for i, (n1, attn, n2, mlp) in enumerate(self.layers):
             if i in self.capture_ids:                         # the residual stream entering layer i: the
                 caps[i] = h                                   # norms write each new sum to a new tensor
-            a = self.comm.all_reduce(attn(x, cos, sin, cache, i, ctx))    # row-parallel o_proj: sum the ranks
+            if self.comm.world == 1:      # triton: o_proj's split-K partials, summed by the norm below
+                a = attn(x, cos, sin, cache, i, ctx, partials=fuse)
+            else:
+                a = self.comm.all_reduce(attn(x, cos, sin, cache, i, ctx))    # row-parallel o_proj: sum the ranks
             nxt = self.layers[i + 1][0] if i + 1 < N else self.norm
             fused = getattr(mlp, "fused_block", None) if fuse else None   # the MoE layers (_MoE)
             done = fused(a, h, n2, nxt) if fused is not None else None
