@@ -396,8 +396,8 @@ class _MLA:
         CUs idle) and its f32 partials are returned for the residual-add norm that follows, which adds
         them in split order and rounds to bf16 the same way. `x_norm`: x is the un-normed residual
         stream as f32 rows [1, T, hidden] and the q_a|kv_a GEMM is gemm_bf16_rmsnorm (the input norm
-        in its prologue, split-K partials out), so the MoE layer before ends without a norm. A quantized q_a|kv_a or q_b, or separate q_a /
-        kv_a take the 7-launch form (mla_prep, then the q_b GEMM and mla_q_absorb). Same math as the
+        in its prologue, split-K partials out), so the MoE layer before ends without a norm. A
+        quantized q_a|kv_a or q_b, or separate q_a / kv_a take the 7-launch form (mla_prep, then the q_b GEMM and mla_q_absorb). Same math as the
         torch path below."""
         from ops.gemm import gemm_bf16_rmsnorm, gemm_bf16_splitk
         from ops.mla_fused import mla_prep, q_absorb, q_absorb_append
