@@ -351,7 +351,9 @@ def cmd_tune_model(a: argparse.Namespace) -> int:
     except ImportError as e:
         _fail(f"autotune: tune-model needs the bench package of a checkout (run from the repository root): {e}")
     try:
-        cfg = load_model_config(a.config, a.tp, a.moe_parallel, layers=2)
+        # 3 layers: the dense first, a MoE layer followed by another (at TP1 it ends with moe_combine_add
+        # and the next q_a|kv_a GEMM norms its rows) and the last (moe_combine_norm with the final norm)
+        cfg = load_model_config(a.config, a.tp, a.moe_parallel, layers=3)
     except (ValueError, OSError) as e:
         _fail(f"autotune: --config {a.config!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     probs = step_problems(cfg, a.experts, a.arch, [int(q) for q in qls if q != ANY], tp=a.tp, moe_parallel=a.moe_parallel)
@@ -396,7 +398,7 @@ def cmd_tune_model_draft(a: argparse.Namespace) -> int:
     if not a.include_shared:
         spec = a.config or "kimi-k2.5"
         try:
-            tcfg = load_model_config(spec, layers=2)
+            tcfg = load_model_config(spec, layers=3)
         except (ValueError, OSError) as e:
             _fail(f"autotune: --config {spec!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
         target = {(k.name, json.dumps(p, sort_keys=True)) for k, p, _ in step_problems(tcfg, a.experts, a.arch, qls)}

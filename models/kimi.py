@@ -223,10 +223,11 @@ class _MoE:
             return ids.contiguous(), w.contiguous()
         return ids.contiguous(), w.contiguous(), (tuple(aligned) if aligned else None)
 
-    def fused_block(self, a: torch.Tensor, h: torch.Tensor, n2: RMSNorm, nxt: RMSNorm
+    def fused_block(self, a: torch.Tensor, h: torch.Tensor, n2: RMSNorm, nxt: RMSNorm, raw_next: bool = False
                     ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """The MoE half of a decoder layer on triton, from the (all-reduced) attention output `a` and
-        the residual stream `h` (only read) to (the next norm's output, the new residual stream):
+        """The MoE half of a decoder layer on triton, from the (all-reduced) attention output `a` (at
+        world size 1 o_proj's split-K partials, which the first norm adds) and the residual stream `h`
+        (only read) to (the next norm's output, the new residual stream):
         rmsnorm_add(_quant) -> one split-K GEMM for the shared expert's gate|up and the router (its own
         gate GEMM when the shared expert is not dense bf16), route + align (one launch up to 4 tokens)
         -> stage 1 -> stage 2 (partial rows) -> the shared expert's SiLU*up and down in one GEMM -> at
@@ -235,8 +236,11 @@ class _MoE:
         rank's top-k sum + shared, bf16), the all-reduce, then the next norm's rmsnorm_add writing the
         new residual (combine_norm updates the post-attention residual, a fresh tensor, in place). For W4A8 experts the post-attention norm emits the per-token int8
         activations stage 1 reads (no quant launch). None when this layer's experts take another
-        path (MXFP4)."""
-        from ops.moe import MoEWeights, combine_norm, combine_rank, expert_block_m, fused_experts
+        path (MXFP4). `raw_next` (world size 1, a next layer whose attention `takes_raw_rows`): the
+        layer ends with combine_add instead (the same sums, no norm, split over D: combine_norm's
+        one program per token leaves the GPU idle at decode) and returns the new residual as f32
+        rows [1, T, hidden] in place of the normed rows; the next attention applies `nxt`."""
+        from ops.moe import MoEWeights, combine_add, combine_norm, combine_rank, expert_block_m, fused_experts
 
         if self.backend != "triton" or not isinstance(self.experts, MoEWeights) or h.dtype != torch.bfloat16 \
                 or not h.is_contiguous():
@@ -262,6 +266,8 @@ class _MoE:
             s = self.shared.down_of_partials(shared_part)
         else:
             s = self.shared(x) if self.shared is not None else None
+        if self.comm.world == 1 and raw_next:
+            return combine_add(part, ids, s, h, len(self.local), backend="triton").unsqueeze(0), h
         if self.comm.world == 1:
             y = combine_norm(part, ids, s, h, nxt.w, nxt.eps, len(self.local), backend="triton")
             return y, h
@@ -327,12 +333,19 @@ class _MLA:
         self.fused = True        # triton: the fused MLA kernels (ops.mla_fused); False runs the unfused ops
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache, layer: int,
-                 ctx: StepCtx) -> torch.Tensor:
+                 ctx: StepCtx, partials: bool = False, x_norm: Optional[RMSNorm] = None) -> torch.Tensor:
+        """The attention output [T, hidden]; `partials` lets the fused triton path return o_proj's f32
+        split-K partials [S, T, hidden] instead (a dense bf16 o_proj: see `_fused`), which only the
+        residual-add norms (RMSNorm.add_norm / add_norm_quant) may read. `x_norm` (only where
+        `takes_raw_rows`): x is the residual stream as f32 rows [1, T, hidden], not yet normed; the
+        q_a|kv_a GEMM applies x_norm in its prologue."""
         from ops.rope import apply_rope, rope_ref
 
         c = self.cfg
+        if x_norm is not None and not self.takes_raw_rows:
+            raise ValueError("_MLA: un-normed rows need the fused triton path with dense bf16 q_a|kv_a and q_b")
         if self.backend == "triton" and self.fused:
-            return self._fused(x, cos, sin, cache.kv[layer], ctx)
+            return self._fused(x, cos, sin, cache.kv[layer], ctx, partials, x_norm)
         T = x.shape[0]
         H, nope, r, C = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         if self.qkv_a is not None:
@@ -359,8 +372,17 @@ class _MLA:
         o = torch.bmm(out.to(adt).transpose(0, 1), self.w_uv_t)                     # [H, T, v]
         return self.o_proj(o.transpose(0, 1).reshape(T, H * c.v_head_dim))
 
+    @property
+    def takes_raw_rows(self) -> bool:
+        """The fused triton path whose q_a|kv_a GEMM can normalize its input rows in its prologue
+        (gemm_bf16_rmsnorm; dense bf16 q_a|kv_a and q_b): the layer before may then skip this
+        layer's input norm (`x_norm` in __call__)."""
+        return self.backend == "triton" and self.fused and self.qkv_a is not None and \
+            self.qkv_a.dense is not None and self.qkv_a.dense.dtype == torch.bfloat16 and \
+            self.q_b.dense is not None
+
     def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvl: torch.Tensor,
-               ctx: StepCtx) -> torch.Tensor:
+               ctx: StepCtx, partials: bool = False, x_norm: Optional[RMSNorm] = None) -> torch.Tensor:
         """The triton path in 6 launches (q_a|kv_a as one bf16 GEMM, a bf16 q_b): the q_a|kv_a GEMM
         split along K (gemm_bf16_splitk: f32 partials [S, T, q_lora + C + r], S times the programs of
         the plain GEMM at its small N) -> q_b GEMM with the split sum and the q_a RMSNorm in its
@@ -369,20 +391,28 @@ class _MLA:
         the q rope, and the kv split sum, kv norm, k rope and cache append by one program per row) ->
         mla_decode_split -> mla_combine_uv (the split merge and W_UV, writing o_proj's input) -> o_proj
         GEMM. Both consumers add the partials in split order and round to
-        bf16, the row the plain GEMM would have stored. A quantized q_a|kv_a or q_b, or separate q_a /
-        kv_a take the 7-launch form (mla_prep, then the q_b GEMM and mla_q_absorb). Same math as the
+        bf16, the row the plain GEMM would have stored. `partials` (world size 1, a dense bf16 o_proj):
+        o_proj is split along K too (gemm_bf16_splitk: at decode sizes its N=hidden tiles alone leave
+        CUs idle) and its f32 partials are returned for the residual-add norm that follows, which adds
+        them in split order and rounds to bf16 the same way. `x_norm`: x is the un-normed residual
+        stream as f32 rows [1, T, hidden] and the q_a|kv_a GEMM is gemm_bf16_rmsnorm (the input norm
+        in its prologue, split-K partials out), so the MoE layer before ends without a norm. A
+        quantized q_a|kv_a or q_b, or separate q_a / kv_a take the 7-launch form (mla_prep, then the q_b GEMM and mla_q_absorb). Same math as the
         torch path below."""
         from ops.gemm import gemm_bf16_rmsnorm, gemm_bf16_splitk
         from ops.mla_fused import mla_prep, q_absorb, q_absorb_append
 
         c = self.cfg
-        T = x.shape[0]
+        T = x.shape[-2]
         H, nope, r = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
         tree = self._tree(ctx)                     # refuse an unsupported window before the cache is written
         eps, wkv = self.kv_norm.eps, self.kv_norm.w
         ql = c.q_lora_rank
         if self.qkv_a is not None and self.qkv_a.dense is not None and self.q_b.dense is not None:
-            part = gemm_bf16_splitk(x.to(torch.bfloat16), self.qkv_a.dense)   # [S, T, ql + C + r] f32
+            if x_norm is not None:                 # the input norm in the GEMM's prologue
+                part = gemm_bf16_rmsnorm(x, x_norm.w, self.qkv_a.dense, x_norm.eps, partials=True)
+            else:
+                part = gemm_bf16_splitk(x.to(torch.bfloat16), self.qkv_a.dense)   # [S, T, ql + C + r] f32
             q = gemm_bf16_rmsnorm(part[:, :, :ql], self.q_norm.w, self.q_b.dense, self.q_norm.eps, partials=True)
             qf = q_absorb_append(q.view(q.shape[0], T, H, nope + r), self.w_uk, cos, sin, part[:, :, ql:], wkv,
                                  ctx.slots, kvl, eps)
@@ -393,8 +423,10 @@ class _MLA:
                 mla_prep(self.kv_a(x), None, wkv, cos, sin, ctx.slots, kvl, eps, q_lora=0)
                 q = self.q_b(self.q_norm(self.q_a(x))) if ql else self.q_proj(x)
             qf = q_absorb(q.view(T, H, nope + r), self.w_uk, cos, sin)                # [T, H, C + r]
-        o = self._decode(qf, kvl, ctx, tree, self.w_uv_t)                             # [T, H, v]
-        return self.o_proj(o.view(T, H * c.v_head_dim))
+        o = self._decode(qf, kvl, ctx, tree, self.w_uv_t).view(T, H * c.v_head_dim)  # [T, H * v]
+        if partials and self.o_proj.dense is not None and self.o_proj.dense.dtype == torch.bfloat16:
+            return gemm_bf16_splitk(o, self.o_proj.dense)                             # [S, T, hidden] f32
+        return self.o_proj(o)
 
     def _tree(self, ctx: StepCtx) -> Optional[torch.Tensor]:
         """The tree mask the triton decode takes (int8 [B, QL, TW] over the last TW cached rows: TW = QL
@@ -471,6 +503,9 @@ class KimiModel:
         dev = self.device
         self.adt = act_dtype(backend, dtype)
         self.routing: Optional[RoutingTrace] = None      # record / replay expert choices (tests, debugging)
+        # triton, world size 1: a MoE layer ends without the next input norm when the next attention
+        # norms its rows in its first GEMM's prologue (_MLA.takes_raw_rows); False: every layer ends normed
+        self.norm_in_gemm = True
         self.capture_ids = tuple(capture_ids) if capture_ids is not None else cfg.capture_layer_ids
         for i in self.capture_ids:
             if not 1 <= i <= cfg.num_hidden_layers:
@@ -530,15 +565,23 @@ class KimiModel:
         N = self.cfg.num_hidden_layers
         caps: dict[int, torch.Tensor] = {}
         x = self.layers[0][0](h) if N else self.norm(h)
+        x_norm: Optional[RMSNorm] = None      # set: x is h as f32 rows, normed by attn's first GEMM
         fuse = self.backend == "triton"
         for i, (n1, attn, n2, mlp) in enumerate(self.layers):
             if i in self.capture_ids:                         # the residual stream entering layer i: the
                 caps[i] = h                                   # norms write each new sum to a new tensor
-            a = self.comm.all_reduce(attn(x, cos, sin, cache, i, ctx))    # row-parallel o_proj: sum the ranks
+            if self.comm.world == 1:      # triton: o_proj's split-K partials, summed by the norm below
+                a = attn(x, cos, sin, cache, i, ctx, partials=fuse, x_norm=x_norm)
+            else:
+                a = self.comm.all_reduce(attn(x, cos, sin, cache, i, ctx))    # row-parallel o_proj: sum the ranks
             nxt = self.layers[i + 1][0] if i + 1 < N else self.norm
             fused = getattr(mlp, "fused_block", None) if fuse else None   # the MoE layers (_MoE)
-            done = fused(a, h, n2, nxt) if fused is not None else None
-            if done is not None:                          # MoE half + next norm, the new residual
+            # world size 1: the next attention may norm its input rows itself (no norm at the MoE end)
+            raw = self.norm_in_gemm and self.comm.world == 1 and i + 1 < N and \
+                getattr(self.layers[i + 1][1], "takes_raw_rows", False)
+            done = fused(a, h, n2, nxt, raw_next=raw) if fused is not None else None
+            x_norm = nxt if done is not None and raw else None
+            if done is not None:                          # MoE half + next norm (or f32 rows), the new residual
                 x, h = done
                 continue
             x, h = n2.add_norm(a, h)                                      # residual add fused into the norm

@@ -105,6 +105,17 @@ def concat_weights(ws: list[Weight]) -> Optional[Weight]:
                    shape=(sum(w.shape[0] for w in ws), a.shape[1]))
 
 
+def is_partials(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """x is a layer output given as f32 split-K partials [S, *residual.shape] (an output GEMM split
+    along K, ops.gemm.gemm_bf16_splitk), not the output itself."""
+    return x.dtype == torch.float32 and x.dim() == residual.dim() + 1 and x.shape[1:] == residual.shape
+
+
+def _norm_input(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """What the triton residual-add norms read: split-K partials as they are, else bf16 rows."""
+    return x if is_partials(x, residual) else x.to(torch.bfloat16).contiguous()
+
+
 class RMSNorm:
     def __init__(self, w: torch.Tensor, eps: float, backend: str = "torch", dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
@@ -128,24 +139,30 @@ class RMSNorm:
         """(norm(residual + x), residual + x): the residual add fused into the norm on triton
         (ops.norm.rms_norm with `residual`, the rmsnorm_add kernel); the sum is rounded to the
         residual's dtype either way. `residual` is only read: carry the returned sum on (on triton
-        the launch writes it to a new tensor, no copy launch)."""
+        the launch writes it to a new tensor, no copy launch). On triton x may be the f32 split-K
+        partials [S, *residual.shape] of the layer's output GEMM (`is_partials`): the launch adds them
+        in split order and rounds to bf16 first."""
         if self.backend == "torch" or x.numel() == 0:
+            if is_partials(x, residual):
+                from ops.gemm import splitk_sum_ref
+
+                x = splitk_sum_ref(x)
             r = residual + x.to(residual.dtype)
             return self(r), r
         from ops.norm import rms_norm
 
-        return rms_norm(x.to(torch.bfloat16).contiguous(), self.w, self.eps,
-                        residual=residual.to(torch.bfloat16), backend="triton")
+        return rms_norm(_norm_input(x, residual), self.w, self.eps, residual=residual.to(torch.bfloat16),
+                        backend="triton")
 
     def add_norm_quant(self, x: torch.Tensor, residual: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Triton only: (int8 q, f32 scale, normed bf16, residual + x) of `add_norm(x, residual)` in
         one launch (ops.norm.rms_norm_quant, the rmsnorm_add_quant kernel): the per-token int8
-        activations a W4A8 consumer reads, bit-equal to quantizing the normed rows."""
+        activations a W4A8 consumer reads, bit-equal to quantizing the normed rows (x may be split-K
+        partials, as in `add_norm`)."""
         from ops.norm import rms_norm_quant
 
-        return rms_norm_quant(x.to(torch.bfloat16).contiguous(), self.w, self.eps, residual=residual,
-                              backend="triton")
+        return rms_norm_quant(_norm_input(x, residual), self.w, self.eps, residual=residual, backend="triton")
 
 
 class MLP:

@@ -68,7 +68,10 @@ The model's decode step (`models.kimi._MoE.fused_block`) runs the same stages wi
 along K) + `ops.swiglu.gemm_bf16_swiglu` (SiLU(gate)*up of the summed splits, then down), and ends the layer with `combine_norm` (kernel `moe_combine_norm`): per token the top-k
 partial rows summed in k order (ids outside [0, E) count 0), + the shared expert (f32), rounded to
 bf16, added into the residual stream in place (bf16) and RMSNorm-ed with the next layer's input
-norm (or the final norm): the roundings of `moe_sum` + add + cast + `rmsnorm_add`, one launch.
+norm (or the final norm): the roundings of `moe_sum` + add + cast + `rmsnorm_add`, one launch. Where the
+next layer's q_a|kv_a GEMM norms its input rows itself (`gemm_bf16_rmsnorm`), the layer ends with
+`combine_add` instead (kernel `moe_combine_add`: the same residual, no norm, split over D so that a
+decode token spreads over many programs; it also returns the residual as f32 rows for that GEMM).
 At world size > 1 the layer ends with `combine_rank` (kernel `moe_combine_rank`: the rank's top-k sum
 + shared, bf16, the all-reduce payload) and the next norm runs after the all-reduce; an expert-parallel
 rank routes with `route(..., local=(first, count))` (kernel `moe_route_local`: local ids, -1 for other
@@ -1195,6 +1198,57 @@ def combine_norm(partial: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor 
         moe_combine_norm(partial, ids.reshape(-1), res if shared is None else shared, res, weight, out, K, n_experts,
                          int(shared is not None), float(eps), config=cfg)
     return out
+
+
+@kd.kernel(static=("TOPK", "E", "SH"), example={"M": 1, "D": KIMI["H"], "TOPK": 8, "P": 8, "E": KIMI["E"], "SH": 1})
+def moe_combine_add(partial: kd.In["P", "D", kd.f32], ids: kd.In["P", kd.i32], shared: kd.In["M", "D", kd.bf16],
+                    res: kd.InOut["M", "D", kd.bf16], rows: kd.Out["M", "D", kd.f32], TOPK: kd.Dim, E: kd.Dim,
+                    SH: kd.Dim):
+    """moe_combine_norm without the norm, one program per (token, BLOCK_N columns): res <- bf16(y +
+    res), y its top-k sum (+ shared) with the same adds and roundings, and rows = res as f32 (exact),
+    the un-normalized row the next layer's first GEMM normalizes in its prologue (gemm_bf16_rmsnorm).
+    With no row-wide statistic a token spreads over D/BLOCK_N programs (combine_norm's one program
+    per token leaves all but M CUs idle at decode)."""
+    (m, n) = kd.grid(kd.each("M"), kd.tile("D", "BLOCK_N", domain=(64, 128, 256, 512, 1024), default=256))
+    acc = _topk_rows(partial, ids, m, n)
+    if kd.static("SH"):
+        acc = acc + shared[m, n].to(kd.f32)
+    r = (acc.to(kd.bf16).to(kd.f32) + res[m, n].to(kd.f32)).to(kd.bf16)
+    res[m, n] = r
+    rows[m, n] = r.to(kd.f32)
+
+
+def combine_add(partial: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None, res: torch.Tensor,
+                n_experts: int, backend: str = "triton", config: dict | None = None) -> torch.Tensor:
+    """Finish a MoE layer without the next norm, in one launch: routed partials [M*top_k, H] f32
+    summed in k order + shared [M, H] bf16 (or None), added into `res` [M, H] bf16 IN PLACE (the
+    residual stream, as `combine_norm`); returns that new residual as f32 [M, H] (exact), for a
+    consumer that normalizes its rows itself (ops.gemm.gemm_bf16_rmsnorm). Ids outside
+    [0, n_experts) add nothing. No device read."""
+    check_backend("combine_add", backend)
+    check_tensor("combine_add", "residual", res, 2, (torch.bfloat16,), contiguous=True)
+    M, H = res.shape
+    dev = res.device
+    check_tensor("combine_add", "partial", partial, 2, (torch.float32,), dev, contiguous=True)
+    check_tensor("combine_add", "ids", ids, 2, (torch.int32,), dev, contiguous=True)
+    if ids.shape[0] != M or tuple(partial.shape) != (ids.numel(), H):
+        raise ValueError(f"combine_add: needs ids [M={M}, top_k] and partial [M*top_k, {H}], got "
+                         f"{tuple(ids.shape)} and {tuple(partial.shape)}")
+    if shared is not None:
+        check_tensor("combine_add", "shared", shared, 2, (torch.bfloat16,), dev, contiguous=True)
+        if shared.shape != res.shape:
+            raise ValueError(f"combine_add: shared must be [{M}, {H}], got {tuple(shared.shape)}")
+    if backend == "torch":
+        r = (moe_combine_rank_ref(partial, ids, shared, n_experts).float() + res.float()).to(torch.bfloat16)
+        res.copy_(r)
+        return r.float()
+    rows = torch.empty(M, H, dtype=torch.float32, device=dev)
+    K = ids.shape[1]
+    cfg = config_for(moe_combine_add, {"D": H, "TOPK": K}, M, config)   # elementwise: any tile, the same bits
+    if M:
+        moe_combine_add(partial, ids.reshape(-1), res if shared is None else shared, res, rows, K, n_experts,
+                        int(shared is not None), config=cfg)
+    return rows
 
 
 @kd.kernel(static=("TOPK", "E", "SH"), example={"M": 1, "D": KIMI["H"], "TOPK": 8, "P": 8, "E": KIMI["E"], "SH": 1})

@@ -114,8 +114,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
              backend: str = "triton", config: dict[str, Any] | None = None):
     """RMSNorm over the last dim. With `residual`: returns (rmsnorm(x + residual), x + residual), the
     sum rounded to x.dtype into a NEW tensor, in the same launch (no copy launch); `residual` is
-    only read, so a decode step carries the returned sum as its residual stream."""
+    only read, so a decode step carries the returned sum as its residual stream. With `residual`
+    [M, D], x may be the f32 split-K partials [S, M, D] of the layer output (gemm_bf16_splitk): they
+    are added in split order and rounded to bf16 first (`splitk_sum_ref`), in the same launch."""
     check_backend("rms_norm", backend)
+    if residual is not None and isinstance(x, torch.Tensor) and x.dtype == torch.float32:
+        return _add_norm_partials("rms_norm", x, weight, eps, residual, backend, config, quant=False)
     check_tensor("rms_norm", "x", x, None, (torch.bfloat16,))
     check_tensor("rms_norm", "weight", weight, 1, (torch.bfloat16,), x.device, contiguous=True)
     if x.dim() < 1 or x.shape[-1] < 1:
@@ -215,6 +219,48 @@ def rmsnorm_add_quant(x: kd.In["M", "D", kd.bf16], res: kd.In["M", "D", kd.bf16]
     _norm_quant(rf, rf if c is d else r.to(kd.f32), row, d, c, first, w, out, q, scale, eps)
 
 
+# ---------------------------------------------------------------------------------------------
+# the same residual-add norms reading the layer output as split-K partials [S, M, D] f32 (o_proj's
+# gemm_bf16_splitk at world size 1): the partials are added in split order and rounded to bf16 (the
+# row the plain GEMM would store) before the residual add, so the GEMM gets S times the programs
+# and no launch is added
+
+
+def _partials_residual_sum(x, res, row, t):
+    """bf16(bf16(x[0] + ... + x[S-1]) + res) over the tile t: the split sum in split order, rounded
+    as the GEMM's bf16 output (ops.gemm.splitk_rows), then the residual add of _residual_sum."""
+    from ops.gemm import splitk_rows
+
+    return (splitk_rows(x, row, t) + res[row, t].to(kd.f32)).to(kd.bf16)
+
+
+@kd.kernel(static=("D",), example={"S": 2, "M": 4, "D": 7168})
+def rmsnorm_add_splitk(x: kd.In["S", "M", "D", kd.f32], res: kd.In["M", "D", kd.bf16], w: kd.In["D", kd.bf16],
+                       out: kd.Out["M", "D", kd.bf16], res_out: kd.Out["M", "D", kd.bf16], eps: kd.Scalar[kd.f32]):
+    """rmsnorm_add with x given as split-K partials: res_out = bf16(bf16(sum_s x[s]) + res),
+    out = rmsnorm(res_out) * w, one program per (row, BLOCK_D chunk)."""
+    row, d, c, _ = _row_and_chunk()
+    rd = _partials_residual_sum(x, res, row, d)
+    inv = _inv_rms(rd.to(kd.f32), d, eps)
+    r = rd if c is d else _partials_residual_sum(x, res, row, c)
+    res_out[row, c] = r
+    out[row, c] = r.to(kd.f32) * inv * w[c].to(kd.f32)
+
+
+@kd.kernel(static=("D",), example={"S": 2, "M": 4, "D": 7168})
+def rmsnorm_add_quant_splitk(x: kd.In["S", "M", "D", kd.f32], res: kd.In["M", "D", kd.bf16],
+                             w: kd.In["D", kd.bf16], out: kd.Out["M", "D", kd.bf16], q: kd.Out["M", "D", kd.i8],
+                             scale: kd.Out["M", kd.f32], res_out: kd.Out["M", "D", kd.bf16],
+                             eps: kd.Scalar[kd.f32]):
+    """rmsnorm_add_quant with x given as split-K partials (the residual sum of rmsnorm_add_splitk)."""
+    row, d, c, first = _row_and_chunk()
+    rd = _partials_residual_sum(x, res, row, d)
+    r = rd if c is d else _partials_residual_sum(x, res, row, c)
+    res_out[row, c] = r
+    rf = rd.to(kd.f32)
+    _norm_quant(rf, rf if c is d else r.to(kd.f32), row, d, c, first, w, out, q, scale, eps)
+
+
 def rms_norm_quant_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Torch reference: rmsnorm(_add)_ref then quant_per_token_int8_ref of the bf16 normed rows."""
@@ -235,7 +281,10 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, res
 
     With `residual`: residual_out = bf16(x + residual), a NEW tensor written by the same launch
     (`residual` is only read; a decode step carries residual_out on), and the norm runs on it (as
-    `rms_norm`). q/scale equal `quantize_int8(normed)` bit for bit."""
+    `rms_norm`). q/scale equal `quantize_int8(normed)` bit for bit. With `residual` [M, D], x may be
+    the f32 split-K partials [S, M, D] of the layer output (as `rms_norm`)."""
+    if residual is not None and isinstance(x, torch.Tensor) and x.dtype == torch.float32:
+        return _add_norm_partials("rms_norm_quant", x, weight, eps, residual, backend, config, quant=True)
     if x.dtype != torch.bfloat16:
         raise TypeError(f"rms_norm_quant: x must be bfloat16, got {x.dtype}")
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
@@ -263,3 +312,39 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, res
     if M:
         rmsnorm_add_quant(x2, _rows(residual), weight, out, q, s, r_out, float(eps), config=cfg)
     return q.view(x.shape), s.view(lead), out.view(x.shape), r_out.view(x.shape)
+
+
+def _add_norm_partials(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
+                       backend: str, config: dict[str, Any] | None, quant: bool) -> tuple:
+    """rms_norm / rms_norm_quant with `residual` [M, D] and x the f32 split-K partials [S, M, D] (any
+    strides, last dim contiguous): rmsnorm_add(_quant)_splitk, one launch. The config comes from the
+    M=1 entry of (D, S) at every M (`invariant_config`): a row's bits do not depend on the batch."""
+    from ops.gemm import splitk_sum_ref
+
+    check_tensor(op, "x", x, 3, (torch.float32,), last_contiguous=True)
+    check_tensor(op, "residual", residual, 2, (torch.bfloat16,), x.device)
+    check_tensor(op, "weight", weight, 1, (torch.bfloat16,), x.device, contiguous=True)
+    S, M, D = x.shape
+    if S < 1 or D < 1 or tuple(residual.shape) != (M, D) or tuple(weight.shape) != (D,):
+        raise ValueError(f"{op}: partials x [S, M, D] need S, D >= 1, residual [M, D] and weight [D], got x "
+                         f"{tuple(x.shape)}, residual {tuple(residual.shape)}, weight {tuple(weight.shape)}")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+    if backend == "torch":
+        xs = splitk_sum_ref(x)
+        return rms_norm_quant_ref(xs, weight, eps, residual) if quant else rmsnorm_add_ref(xs, residual, weight, eps)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    res = _rows(residual)
+    out, r_out = torch.empty_like(res), torch.empty_like(res)
+    kernel = rmsnorm_add_quant_splitk if quant else rmsnorm_add_splitk
+    cfg = invariant_config(kernel, {"D": D, "S": S}, M, config)
+    if not quant:
+        if M:
+            rmsnorm_add_splitk(x, res, weight, out, r_out, float(eps), config=cfg)
+        return out, r_out
+    q = torch.empty(M, D, dtype=torch.int8, device=x.device)
+    s = torch.empty(M, dtype=torch.float32, device=x.device)
+    if M:
+        rmsnorm_add_quant_splitk(x, res, weight, out, q, s, r_out, float(eps), config=cfg)
+    return q, s, out, r_out

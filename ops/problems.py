@@ -494,6 +494,24 @@ MODELS += [
                  flops_fn=lambda p, m: 9.0 * m * p["D"], derived=_norm_chunks,
                  extra_bytes_fn=_norm_rereads(lambda p: p["D"] * 4),
                  shared_numerics=True, launch_keys=("BLOCK_D",)),
+    # the residual-add norms over the layer output's split-K partials [S, M, D] f32 (o_proj at world
+    # size 1): the bytes of the bf16-input kernels (the partials' one read is charged to
+    # gemm_bf16_splitk, which writes them), the chunks' re-reads of the whole row at S x f32 + bf16
+    ProblemModel("rmsnorm_add_splitk", ("D", "S"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
+                 bytes_fn=_rows("D", lambda p: p["D"] * 8, lambda p: p["D"] * 2),
+                 flops_fn=lambda p, m: (4.0 + p["S"]) * m * p["D"], derived=_norm_chunks,
+                 extra_bytes_fn=_norm_rereads(lambda p: p["D"] * (4 * p["S"] + 2)),
+                 shared_numerics=True, launch_keys=("BLOCK_D",)),
+    ProblemModel("rmsnorm_add_quant_splitk", ("D", "S"), m_block=None, peak_dtype="f32", loop_dim=None,
+                 loop_block=None, bytes_fn=_rows("D", lambda p: p["D"] * (2 + 4 + 2 + 1) + 4, lambda p: p["D"] * 2),
+                 flops_fn=lambda p, m: (8.0 + p["S"]) * m * p["D"], derived=_norm_chunks,
+                 extra_bytes_fn=_norm_rereads(lambda p: p["D"] * (4 * p["S"] + 2)),
+                 shared_numerics=True, launch_keys=("BLOCK_D",)),
+    # combine_norm without the norm: top-k partial rows (f32) + shared (bf16) + residual read and
+    # written (bf16) + the residual as f32 rows out (read by the next q_a|kv_a GEMM's prologue)
+    ProblemModel("moe_combine_add", ("D", "TOPK"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
+                 bytes_fn=lambda p, m: routed_rows(p, m) * p["D"] * 4 + m * (p["D"] * 10 + p["TOPK"] * 4),
+                 flops_fn=lambda p, m: (p["TOPK"] + 2.0) * m * p["D"], derived=_topk_derived),
     ProblemModel("moe_sum", ("H", "TOPK"), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
                  bytes_fn=_rows("H", lambda p: p["H"] * 4 * (p["TOPK"] + 1)), flops_fn=lambda p, m: m * p["H"] * p["TOPK"]),
     ProblemModel("mla_decode_combine", ("QL", "H", "DL"), m_block=None, peak_dtype="f32", loop_dim=None,

@@ -242,6 +242,51 @@ def test_mla_front_split_k_rows_batch1_equal_batch8(arch: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_residual_chain_rows_batch1_equal_batch8(arch: str) -> None:
+    """The world-size-1 residual chain with the arch's invariant configs: o_proj split along K (one
+    tuned SPLIT_K and tile at every M), the residual-add norms summing its partials, and the next
+    q_a|kv_a GEMM norming the f32 residual rows in its prologue: a row alone gives the bits it gives
+    in a batch of 8 (BLOCK_D is launch-only and left at the row-wide default on these short rows)."""
+    from ops import norm
+
+    trim = lambda c: {k: v for k, v in c.items() if k not in ("matrix_instr_nonkdim", "kpack", "waves_per_eu")}  # noqa: E731
+    cs = [trim(invariant_config(gemm.gemm_bf16_splitk_kernel, {"N": 7168, "K": 8192}, m, None, arch=arch))
+          for m in (1, 8, 128)]
+    assert all(_numerics(c, gemm.gemm_bf16_splitk_kernel) == _numerics(cs[0], gemm.gemm_bf16_splitk_kernel) for c in cs)
+    cfg = cs[0]
+    S = cfg["SPLIT_K"]
+    g = torch.Generator().manual_seed(9)
+    M, D, N = 8, 96, 40
+    K = cfg["BLOCK_K"] * S - 24  # a short last split
+    o = torch.randn(M, K, generator=g).bfloat16()
+    wo = (torch.randn(D, K, generator=g) * 0.1).bfloat16()
+    res = torch.randn(M, D, generator=g).bfloat16()
+    wn = (torch.rand(D, generator=g) + 0.5).bfloat16()
+    wq = (torch.randn(N, D, generator=g) * 0.1).bfloat16()
+
+    def norm_cfg(kernel):
+        c = trim(invariant_config(kernel, {"D": 7168, "S": S}, M, None, arch=arch))
+        c.pop("BLOCK_D", None)
+        return c
+
+    cn, cnq = norm_cfg(norm.rmsnorm_add_splitk), norm_cfg(norm.rmsnorm_add_quant_splitk)
+    cr = trim(invariant_config(gemm.gemm_bf16_rmsnorm_kernel, {"N": 2112, "K": 7168}, M, None, arch=arch))
+
+    def chain(rows: slice):
+        part = gemm.gemm_bf16_splitk(o[rows], wo, config=cfg)
+        y, r = norm.rms_norm(part, wn, 1e-6, residual=res[rows], config=cn)
+        q8, sc, yq, rq = norm.rms_norm_quant(part, wn, 1e-6, residual=res[rows], config=cnq)
+        front = gemm.gemm_bf16_rmsnorm(r.float().unsqueeze(0), wn, wq, 1e-6, config=cr, partials=True)
+        return part.transpose(0, 1), y, r, q8, sc, yq, rq, front.transpose(0, 1)
+
+    a8, a1 = chain(slice(0, 8)), chain(slice(3, 4))
+    assert a8[0].shape[1] == S
+    for t8, t1 in zip(a8, a1):
+        assert torch.equal(t1[0], t8[3])
+    assert not any(t.float().isnan().any() for t in a8)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_swiglu_rows_batch1_equal_batch8(arch: str) -> None:
     """The shared expert's down GEMM over split-K partials: each batch size runs its own bucket's
     BLOCK_M and N_TILES (launch-only) with the M=1 entry's numerics tile, and a row's bits are the

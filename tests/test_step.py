@@ -357,11 +357,14 @@ def test_tune_model_dry_run_lists_the_step_problems(capsys):
     assert main(["tune-model", "--config", "kimi-k2.5", "--arch", "gfx942", "--dry-run", "--q-lens", "1"]) == 0
     out = capsys.readouterr().out
     # N=4480: the shared expert's gate|up rows and the router's rows as one split-K GEMM, then SiLU*up
-    # and down over its 4 splits; N=2112: q_a|kv_a as one split-K GEMM
+    # and down over its 4 splits; N=2112: q_a|kv_a as one split-K GEMM (after a MoE layer with the input
+    # norm in its prologue, the layer before ending with moe_combine_add); o_proj split along K, its
+    # partials summed by the residual norm (the tuned split count in the key)
     for want in ("gemm_bf16_splitk N=4480,K=7168", "gemm_bf16_swiglu N=7168,I=2048,S=4", "gemm_bf16_splitk N=2112,K=7168",
+                 "gemm_bf16_rmsnorm N=2112,K=7168", "gemm_bf16_splitk N=7168,K=8192",
                  "mla_decode_split QL=1,H=64,DL=512,DR=64,PS=64", "moe_stage1_w4a8 E=384,K=7168,I=2048,TOPK=8",
-                 "rmsnorm_add_quant D=7168", "moe_combine_norm D=7168,TOPK=8", "moe_route_align E=384,TOPK=8,NG=1,EA=384,BM=16",
-                 "gemm_bf16 N=163840,K=7168"):
+                 "rmsnorm_add_quant_splitk D=7168,S=4", "moe_combine_add D=7168,TOPK=8", "moe_combine_norm D=7168,TOPK=8",
+                 "moe_route_align E=384,TOPK=8,NG=1,EA=384,BM=16", "gemm_bf16 N=163840,K=7168"):
         assert want in out
 
 
@@ -475,7 +478,8 @@ def test_draft_flags_bad_input_is_one_line_exit_2(capsys, tmp_path):
 
 def test_tune_model_draft_dry_run_lists_the_draft_problems(capsys, tmp_path):
     """tune-model --model draft lists the draft's own problems and leaves the ones the target's step
-    launches too (lm_head, o_proj, rmsnorm) to --model target; a draft config.json path works too."""
+    launches too (lm_head, rmsnorm) to --model target; its o_proj (gemm_bf16 N=7168 K=8192) is its own (the
+    target's TP1 o_proj is split along K); a draft config.json path works too."""
     from autotune.__main__ import main
     from bench.meta_model import KIMI_K25_EAGLE3_CONFIG
 
@@ -485,7 +489,7 @@ def test_tune_model_draft_dry_run_lists_the_draft_problems(capsys, tmp_path):
                  "--q-lens", "1"]) == 0
     out = capsys.readouterr().out
     for want in ("gemm_bf16 N=8192,K=14336", "gemm_bf16_splitk N=24576,K=7168", "gemm_bf16_swiglu N=7168,I=12288,S=4",
-                 "mha_decode QL=1,HQ=64,KVH=64,D=128,PS=64", "rope_neox H=64,R=128"):
+                 "mha_decode QL=1,HQ=64,KVH=64,D=128,PS=64", "rope_neox H=64,R=128", "gemm_bf16 N=7168,K=8192"):
         assert f"  {want}\n" in out
-    for shared in ("gemm_bf16 N=163840,K=7168", "gemm_bf16 N=7168,K=8192", "rmsnorm D=7168"):
+    for shared in ("gemm_bf16 N=163840,K=7168", "rmsnorm D=7168"):
         assert f"left to --model target: {shared}" in out
