@@ -20,7 +20,9 @@ besides the kernels. Then every launch is costed:
   of the routed rows (`EP_ROUTING`: uniform routing, the mean rank).
 
 Predicted step = sum of predicted launch times + gaps (+ all-reduces); floor = sum of floors.
-`--layers N` records N layers and scales the MoE layers' items to the config's layer count.
+`--layers N` records N layers and scales the MoE layers' items to the config's layer count: with
+N >= first dense layers + 3, the first and last MoE layers count once and the ones between them
+stand for the rest (`layer_weights`), so use --layers 4 for Kimi-K2.5.
 On a machine with a GPU the step is also run and timed (eager; graph capture when the forward
 allows it) next to the prediction.
 
@@ -240,6 +242,20 @@ def ep_share(kernel: Any, prob: dict[str, Any], ep_experts: int | None) -> dict[
     return {}
 
 
+def layer_weights(recorded: int, first: int, full: int) -> Any:
+    """How many of the config's `full` layers each recorded layer stands for. Dense layers (below
+    `first`) and launches outside the layers count once. The first MoE layer (its input comes from
+    a dense layer) and the last layer (it ends with the final norm) differ from the others, so with
+    three or more MoE layers recorded each of those two counts once and the MoE layers between them
+    stand for all the rest; with fewer, every recorded MoE layer stands for an equal share."""
+    moe, last = recorded - first, recorded - 1
+    if moe >= 3 and full > recorded:
+        mid = (full - first - 2) / (moe - 2)
+        return lambda layer: 1.0 if layer is None or layer < first or layer in (first, last) else mid
+    share = (full - first) / max(1, moe)
+    return lambda layer: 1.0 if layer is None or layer < first else share
+
+
 def cost_step(rec: StepRecord, cfg: Any, arch: str, ctx: int, gap: str = "graph", tp: int = 1,
               full_layers: int | None = None, launch_layers: list[int | None] | None = None,
               workers: int | None = None, log: Any = None, ep_experts: int | None = None) -> list[Item]:
@@ -254,12 +270,7 @@ def cost_step(rec: StepRecord, cfg: Any, arch: str, ctx: int, gap: str = "graph"
     target = get_target(arch)
     g = costmodel.launch_gap_us(target, gap)
     reports = compile_reports(rec.launches, arch, workers, log)
-    first = cfg.first_k_dense_replace
-    full = full_layers or rec.layers
-    moe_w = (full - first) / max(1, rec.layers - first)
-
-    def weight(layer: int | None) -> float:
-        return 1.0 if layer is None or layer < first else moe_w
+    weight = layer_weights(rec.layers, cfg.first_k_dense_replace, full_layers or rec.layers)
 
     items: list[Item] = []
     for i, r in enumerate(rec.launches):
@@ -320,17 +331,19 @@ def summarize(items: list[Item], rec: StepRecord, cfg: Any, full_layers: int, to
     coll_floor = sum(it.floor_us * it.weight for it in links)
     n_kdsl = sum(it.weight for it in items if it.kind == "kdsl")
     n_torch = sum(it.weight for it in items if it.kind == "torch")
+    # launches per layer of each kind, counted over the layers that stand for the most (the MoE
+    # layers between the first and the last, see layer_weights)
+    in_layers = [it for it in items if it.layer is not None and it.kind != "allreduce"]
+    kind_of = lambda it: "dense" if it.layer < cfg.first_k_dense_replace else "moe"  # noqa: E731
+    top_w = {}
+    for it in in_layers:
+        top_w[kind_of(it)] = max(top_w.get(kind_of(it), 0.0), it.weight)
     per_layer: dict[str, dict[str, int]] = {}
-    for it in items:
-        if it.layer is None or it.kind == "allreduce":
-            continue
-        kind = "dense" if it.layer < cfg.first_k_dense_replace else "moe"
-        d = per_layer.setdefault(kind, {"kdsl": 0, "torch": 0, "layers": 0})
-        d[it.kind] += 1
-    for kind in per_layer:
-        n = sum(1 for i in range(rec.layers) if (i < cfg.first_k_dense_replace) == (kind == "dense"))
-        per_layer[kind] = {"kdsl": per_layer[kind]["kdsl"] // max(1, n), "torch": per_layer[kind]["torch"] // max(1, n),
-                           "layers": n}
+    for kind, w in top_w.items():
+        rep = [it for it in in_layers if kind_of(it) == kind and it.weight == w]
+        n = len({it.layer for it in rep})
+        per_layer[kind] = {"kdsl": sum(it.kind == "kdsl" for it in rep) // n,
+                           "torch": sum(it.kind == "torch" for it in rep) // n, "layers": n}
     groups: dict[tuple, dict[str, Any]] = collections.OrderedDict()
     for it in items:
         key = (it.kind, it.name, it.shape)

@@ -493,3 +493,18 @@ def test_tune_model_draft_dry_run_lists_the_draft_problems(capsys, tmp_path):
         assert f"  {want}\n" in out
     for shared in ("gemm_bf16 N=163840,K=7168", "rmsnorm D=7168"):
         assert f"left to --model target: {shared}" in out
+
+
+def test_layer_weights_stand_for_every_layer_once():
+    """Recorded layers scale to the config's count: the weights add up to it; with 3+ MoE layers
+    recorded the first MoE layer and the last (final norm) count once, the middle ones the rest."""
+    from bench.step import layer_weights
+
+    w = layer_weights(4, 1, 61)
+    assert [w(i) for i in range(4)] == [1.0, 1.0, 58.0, 1.0] and w(None) == 1.0
+    w = layer_weights(6, 1, 61)
+    assert sum(w(i) for i in range(6)) == 61 and w(1) == w(5) == 1.0 and w(2) == w(3) == w(4)
+    w = layer_weights(3, 1, 61)  # too few to tell the middle apart: an equal share each
+    assert [w(i) for i in range(3)] == [1.0, 30.0, 30.0]
+    w = layer_weights(4, 1, 4)  # nothing to scale
+    assert [w(i) for i in range(4)] == [1.0] * 4
