@@ -20,7 +20,7 @@ from .lang import (  # noqa: F401
 from .types import fp4_e2m1, e8m0, MX_GROUP  # noqa: F401  (OCP MX)
 from .lang import dot_scaled, mx_decode, mx_groups  # noqa: F401  (OCP MX)
 from .lang import (  # noqa: F401
-    argmax, argmin, cumsum, erf, grouped, indices, iota, pow, rint, sort, tanh, topk, triton_call,
+    argmax, argmin, cumsum, erf, fma, grouped, indices, iota, pow, rint, sort, tanh, topk, triton_call,
 )
 from .errors import KdslError, ConfigError, LaunchError, TraceError, CompileError  # noqa: F401
 from .kernel import Kernel, Specialization, kernel, REGISTRY  # noqa: F401

@@ -684,6 +684,16 @@ class Emitter:
             self.need("from triton.language.extra import libdevice")
             self.w(f"{r.name} = libdevice.{op}({a})")
 
+    def op_fma(self, n: Node) -> None:
+        r = n.results[0]
+        args = []
+        for x in (n.a.a, n.a.b, n.a.c):
+            e = self.aligned(x, r.axes)
+            if r.axes and not (isinstance(x, Value) and x.axes):  # tl.fma wants tensors of one shape
+                e = f"tl.full({self.shape(r.axes)}, {e}, tl.float32)"
+            args.append(e)
+        self.w(f"{r.name} = tl.fma({', '.join(args)})")
+
     def op_pow(self, n: Node) -> None:
         r = n.results[0]
         base, exponent = n.a.base, n.a.exponent

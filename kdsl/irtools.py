@@ -14,7 +14,7 @@ from . import types as T
 from .ir import Axis, Block, Node, OperandHandle, TraceContext, Value
 from .passes import node_inputs
 
-ELEMENTWISE = {"binary", "unary", "minmax", "where", "cast", "bitcast", "math_ext", "pow"}
+ELEMENTWISE = {"binary", "unary", "minmax", "where", "cast", "bitcast", "math_ext", "pow", "fma"}
 
 
 def fmt_value(v: Any) -> str:

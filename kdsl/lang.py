@@ -1078,6 +1078,16 @@ def pow(x: Any, y: Any) -> Value:  # noqa: A001
     return out
 
 
+def fma(a: Any, b: Any, c: Any) -> Value:
+    """a * b + c in f32 with one rounding (the hardware fused multiply-add; exact on the
+    interpreter too), e.g. the exact remainder a - q * b of a division, fma(-q, b, a)."""
+    vals = [as_value(v) for v in (a, b, c)]
+    vals = [cast(v, T.f32) if v.dtype is not T.f32 else v for v in vals]
+    out = Value(T.f32, union_axes(*vals), union_masks(*vals), hint="t")
+    ctx().add("fma", [out], a=vals[0], b=vals[1], c=vals[2])
+    return out
+
+
 def _abs_int(n: int) -> int:
     return n if n >= 0 else -n
 

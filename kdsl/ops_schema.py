@@ -255,6 +255,8 @@ RECORDS: dict[str, OpRecord] = {r.name: r for r in (
     _rec("bitcast", _X, (AttrSpec("dtype", DTYPE),), rule=_result_dtype),
     _rec("math_ext", _X, (_op("rint", "tanh", "erf"),)),
     _rec("pow", (OperandSpec("base", VALUE), OperandSpec("exponent", VALUE))),
+    _rec("fma", (OperandSpec("a", VALUE), OperandSpec("b", VALUE), OperandSpec("c", VALUE)),
+         doc="a * b + c in f32, rounded once"),
     _rec("reduce", _X, (_op("sum", "max", "min"), AttrSpec("axis", AXIS), AttrSpec("dtype", DTYPE)),
          rule=_axis_of_x()),
     _rec("argreduce", _X, (_op("argmax", "argmin"), AttrSpec("axis", AXIS)), rule=_axis_of_x()),

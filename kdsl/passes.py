@@ -344,7 +344,7 @@ def run_passes(root: Block, target: Target, dims: dict[str, Any] | None = None,
 # common subexpressions and loop-invariant values
 
 PURE = {"binary", "unary", "minmax", "where", "cast", "bitcast", "reduce", "full", "broadcast", "pad", "iota",
-        "argreduce", "scan", "math_ext", "pow", "program_id", "sort", "topk", "dot"}
+        "argreduce", "scan", "math_ext", "pow", "fma", "program_id", "sort", "topk", "dot"}
 HOISTABLE = (PURE - {"dot"}) | {"range"}
 
 

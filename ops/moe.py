@@ -34,8 +34,8 @@ Pipeline of `fused_moe` (backend="triton"):
    padded counts in chunks of 16 experts, writes the block map and fills every sorted slot with the
    sentinel; `moe_align_scatter` ranks each row among earlier rows of its expert and writes it. An
    id outside [0, E) is in no block. No atomics, deterministic, and no host sync: the grid is the
-   worst-case block count cdiv(T, BLOCK_M) + min(E, T) and the stages exit early (kd.exit_if) on
-   unused blocks; at M=1 that is 8 blocks, all used. backend="torch" gives the same arrays with
+   worst-case block count `aligned_blocks` = K + (T - K) // BLOCK_M, K = min(E, T), and the stages
+   exit early (kd.exit_if) on unused blocks; at M=1 that is 8 blocks, all used. backend="torch" gives the same arrays with
    bincount/argsort.
 4. Stage 1 (`moe_stage1_{w4a8,w4a16,bf16}`): per block, gate and up GEMMs against the block's expert
    (int8 x int4 -> i32 MFMA for W4A8; int4 dequantized to bf16 with group-32 scales for W4A16),
@@ -594,7 +594,7 @@ def route_align(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: in
     config = config or {}
     part = _gate_partials(x, wg, config, invariant, logits)
     T = M * top_k
-    nb = -(-T // block_m) + min(n, T)
+    nb = aligned_blocks(T, n, block_m)
     dev = x.device
     ids = torch.empty(M, top_k, dtype=torch.int32, device=dev)
     wts = torch.empty(M, top_k, dtype=torch.float32, device=dev)
@@ -738,12 +738,21 @@ def moe_align_one(ids: kd.In["T", kd.i32], block_expert: kd.Out["NB", kd.i32], s
     kd.fold(t_tiles("t"), kd.zeros((e,), kd.i32), scatter)
 
 
+def aligned_blocks(T: int, E: int, block_m: int) -> int:
+    """The most BLOCK_M-row blocks T rows over E experts can fill: k experts with rows (k <= K =
+    min(E, T)) fill sum(cdiv(c_e, BM)) = k + sum((c_e - 1) // BM) <= k + (T - k) // BM blocks, which
+    does not decrease with k, so K + (T - K) // BM (cdiv(T, BM) + K over-counts by up to cdiv(T, BM):
+    at M=1, 9 blocks for 8 rows; every extra block is a launched row of programs that exits at once)."""
+    k = min(E, T)
+    return k + (T - k) // block_m
+
+
 def moe_align(ids: torch.Tensor, n_experts: int, block_m: int, backend: str = "triton", check: bool = True,
               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the (token, k) rows by expert into block_m-padded blocks.
 
     Returns sorted_ids int32 [NB*block_m] (row id t*top_k+k, or the sentinel T=M*top_k for padding)
-    and block_expert int32 [NB] (-1 for blocks past the used ones), NB = cdiv(T, block_m) + min(E, T).
+    and block_expert int32 [NB] (-1 for blocks past the used ones), NB = aligned_blocks(T, E, block_m).
     backend="triton": for T <= ALIGN_ONE_MAX_T rows (decode and verify) one kdsl kernel,
     moe_align_one; above it two, moe_align_blocks (counts, block map, sentinel fill) then
     moe_align_scatter; nothing else launched for int32 ids. `config` may hold their configs under
@@ -754,7 +763,7 @@ def moe_align(ids: torch.Tensor, n_experts: int, block_m: int, backend: str = "t
     T = ids.numel()
     if check and T and (int(ids.min()) < 0 or int(ids.max()) >= n_experts):  # a host sync: skippable
         raise ValueError(f"moe_align: expert ids must lie in [0, {n_experts}), got [{int(ids.min())}, {int(ids.max())}]")
-    nb = -(-T // block_m) + min(n_experts, T)
+    nb = aligned_blocks(T, n_experts, block_m)
     if T == 0:
         return (torch.empty(0, dtype=torch.int32, device=ids.device),
                 torch.empty(0, dtype=torch.int32, device=ids.device))
@@ -1573,7 +1582,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEW
         sorted_ids, bexp = moe_align(ids, E, bm, check=False, config=config)  # the kdsl align kernels
     else:
         sorted_ids, bexp = aligned
-        nb = -(-(M * top_k) // bm) + min(E, M * top_k)
+        nb = aligned_blocks(M * top_k, E, bm)
         for name, t, n in (("aligned sorted_ids", sorted_ids, nb * bm), ("aligned block_expert", bexp, nb)):
             check_tensor("fused_experts", name, t, 1, (torch.int32,), dev, contiguous=True)
             if t.numel() != n:

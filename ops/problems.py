@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from autotune.problems import NOMINAL_CTX, Problem, ProblemModel, register
 from ops.mla import DEFAULT_MAX_SPLITS, MAX_Q_LEN, launch_split_count, max_splits_for
-from ops.moe import route_split
+from ops.moe import aligned_blocks, route_split
 from ops.norm import WHOLE_ROW
 
 def _gemm(wb: float, ab: float, peak: str, group: int = 0) -> tuple[Callable, Callable]:
@@ -67,11 +67,11 @@ def experts_touched(p: Problem, m: int) -> float:
 
 def _moe_blocks(p: Problem, m: int, c: dict[str, Any]) -> Problem:
     """The aligned-block dims `fused_experts` launches with: worst-case block count
-    cdiv(T, BLOCK_M) + min(E, T) (unused blocks exit at once), S = NB * BLOCK_M rows; under expert
+    ops.moe.aligned_blocks (unused blocks exit at once), S = NB * BLOCK_M rows; under expert
     parallelism (EALL) NB is the expected count of blocks that hold rows."""
     bm = int(c.get("BLOCK_M", 16))
     t = m * p["TOPK"]
-    nb = -(-t // bm) + min(p["E"], t)
+    nb = aligned_blocks(t, p["E"], bm)
     out = {"T": t, "NB": nb, "S": nb * bm}
     if "EALL" in p:  # an expert-parallel rank: the programs are the blocks its expected rows fill (the
         # other blocks exit at once); without EP the worst case is charged, as launched
@@ -373,8 +373,8 @@ MODELS += [
 # ---- small kernels of the decode step: the op's lookup key, M, and the bytes they move
 
 def _align_nb(p: Problem, t: int) -> int:
-    """Aligned blocks of T = t rows (ops.moe.moe_align): cdiv(T, BM) + min(E, T)."""
-    return -(-t // p["BM"]) + min(p["E"], t)
+    """Aligned blocks of T = t rows (ops.moe.moe_align): ops.moe.aligned_blocks."""
+    return aligned_blocks(t, p["E"], p["BM"])
 
 
 def _ea(p: Problem) -> Problem:

@@ -70,6 +70,23 @@ def test_non_contiguous_strides():
     torch.testing.assert_close(out, x * s[:, None] + b, rtol=1e-6, atol=1e-6)
 
 
+@kd.kernel
+def i_fma(a: kd.In["M", "N", kd.f32], b: kd.In["M", kd.f32], out: kd.Out["M", "N", kd.f32]):
+    m, n = kd.grid("M", "N")
+    p = a[m, n] * b[m]
+    out[m, n] = kd.fma(a[m, n], b[m], -p)      # the rounding error of the product: one rounding only
+
+
+def test_fma_rounds_once():
+    g = gen(5)
+    M, N = 7, 33
+    a, b = torch.randn(M, N, generator=g), torch.randn(M, generator=g)
+    out = poisoned((M, N), torch.float32)
+    i_fma(a, b, out, config=B16)
+    exact = (a.double() * b.double()[:, None] - (a * b[:, None]).double()).float()  # exact in f64
+    assert torch.equal(out, exact) and bool((exact != 0).any())
+
+
 # ---------------------------------------------------------------------------------------------
 # fold with tuple state: online softmax
 

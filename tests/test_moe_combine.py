@@ -166,13 +166,34 @@ def test_moe_sum_ids_skips_bad_ids(M, H, K, E):
     assert torch.equal(out, want)
 
 
+def test_aligned_blocks_is_the_worst_case():
+    """aligned_blocks(T, E, BM) is the most blocks any split of T rows over E experts fills (every
+    split of small T enumerated): the grid holds every used block and launches no block that
+    no routing can use."""
+    def splits(t, parts, top):  # non-increasing positive parts summing to t
+        if t == 0:
+            yield ()
+            return
+        if parts == 0:
+            return
+        for c in range(min(t, top), 0, -1):
+            for rest in splits(t - c, parts - 1, c):
+                yield (c,) + rest
+
+    for T in range(1, 15):
+        for E in (1, 2, 3, 5, 8, 20):
+            for bm in (1, 2, 4, 16):
+                most = max(sum(-(-c // bm) for c in s) for s in splits(T, E, T))
+                assert moe.aligned_blocks(T, E, bm) == most, (T, E, bm)
+
+
 @pytest.mark.parametrize("T,E,bm", [(8, 384, 16), (13, 8, 16), (40, 16, 32), (3, 64, 64)])
 def test_align_blocks_fills_the_sentinel(T, E, bm):
     """moe_align_blocks writes T into every slot of a poisoned sorted_ids (no fill launch needed);
     after moe_align_scatter the result equals the torch backend's."""
     g = torch.Generator().manual_seed(T + E)
     ids = torch.randint(0, E, (T,), generator=g, dtype=torch.int32)
-    nb = -(-T // bm) + min(E, T)
+    nb = moe.aligned_blocks(T, E, bm)
     pstart = poisoned((E,), torch.int32)
     bexp = poisoned((nb,), torch.int32)
     sid = poisoned((nb * bm,), torch.int32)
@@ -311,7 +332,7 @@ def test_align_one_launch_equals_the_two_kernel_path(T, E, bm):
     g = torch.Generator().manual_seed(T * E + bm)
     ids = torch.randint(0, E, (T,), generator=g, dtype=torch.int32)
     ids[::5] = torch.tensor([-1, E, 2**30, -2**31], dtype=torch.int32).repeat(T)[: ids[::5].numel()]
-    nb = -(-T // bm) + min(E, T)
+    nb = moe.aligned_blocks(T, E, bm)
     pad = 64
     bbuf = torch.full((nb + 2 * pad,), -777, dtype=torch.int32)
     sbuf = torch.full((nb * bm + 2 * pad,), -777, dtype=torch.int32)

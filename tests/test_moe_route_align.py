@@ -64,7 +64,7 @@ def test_route_align_equals_route_then_align(M, E, K, ng, tkg, soft, bm, split, 
     part, bias = _logits(split, M, E, seed=M * 1000 + E + K + ties, ties=ties)
     EA = E if local is None else local[1]
     T = M * K
-    nb = -(-T // bm) + min(EA, T)
+    nb = moe.aligned_blocks(T, EA, bm)
     bufs = [_guarded(M * K, torch.int32), _guarded(M * K, torch.float32), _guarded(nb, torch.int32),
             _guarded(nb * bm, torch.int32)]
     ids, wts, bexp, sid = (b[1] for b in bufs)

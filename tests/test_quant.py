@@ -46,6 +46,33 @@ def test_int8_exact(m, k, bm, seed):
     assert torch.equal(q, qr)
 
 
+def test_division_exact_near_ties():
+    """The kernels divide by multiply-add steps from the row's reciprocal (ops.quant._div_rn): int8
+    and fp8 (e4m3fn) over every bf16 value of [-absmax, absmax] in rows of unrelated absmax (x /
+    scale lands within an ulp of a rounding boundary for some: a plain x * (1 / scale) gets 8 int8
+    codes wrong here), and the inf row (finite x / inf is 0), against torch's IEEE division."""
+    g = torch.Generator().manual_seed(7)
+    mags = torch.arange(0x3C00, 0x4700, dtype=torch.int16).view(torch.bfloat16).float()  # 2^-7 .. 2^15
+    rows = []
+    for a in (torch.rand(24, generator=g) * 900 + 1).tolist() + [127.0, 3.0, 0.75]:
+        v = mags[mags <= a]
+        rows.append(torch.cat([v, -v, torch.tensor([a])]).to(torch.bfloat16))
+    k = max(len(r) for r in rows)
+    x = torch.stack([torch.nn.functional.pad(r.float(), (0, k - len(r))).to(torch.bfloat16) for r in rows])
+    q, s = poisoned(tuple(x.shape), torch.int8), poisoned((x.shape[0],), torch.float32)
+    quant_per_token_int8(x, q, s, config={"BLOCK_M": 4, "BLOCK_K": 512})
+    qr, sr = quant_per_token_int8_ref(x)
+    assert torch.equal(s, sr) and torch.equal(q, qr)
+    q8, s8 = poisoned(tuple(x.shape), torch.float8_e4m3fn), poisoned((x.shape[0],), torch.float32)
+    quant_per_token_fp8(x, q8, s8, config={"BLOCK_M": 4, "BLOCK_K": 512})
+    qr8, sr8 = quant_per_token_fp8_ref(x, torch.float8_e4m3fn)
+    assert torch.equal(s8, sr8) and torch.equal(q8.view(torch.uint8), qr8.view(torch.uint8))
+    xi = torch.tensor([[float("inf"), 1.0, -2.0, 0.0]], dtype=torch.bfloat16)
+    qi, si = poisoned((1, 4), torch.int8), poisoned((1,), torch.float32)
+    quant_per_token_int8(xi, qi, si)
+    assert si.item() == float("inf") and qi[0, 1:].tolist() == [0, 0, 0]
+
+
 def test_int8_rounds_to_nearest_not_truncates():
     # row absmax 127 -> scale 1: x/scale = x exactly; 2.5 -> 2 (even), 1.5 -> 2, -0.75 -> -1, 0.5 -> 0
     x = torch.tensor([[127.0, 2.5, 1.5, -0.75, 0.5, -126.5, 3.25, 0.0]], dtype=torch.bfloat16)
