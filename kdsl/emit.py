@@ -460,9 +460,7 @@ class Emitter:
         self.w(f"{sf} = tl.reshape(tl.broadcast_to(({sc}).to(tl.float32)[:, :, None], "
                f"({rows.size}, {g.size}, {k.size // g.size})), ({rows.size}, {k.size}))")
         self.w(f"{prod} = {self.aligned(q, (rows, k))}.to(tl.float32) * {sf}")
-        if n.a.lower == "rne_bits":
-            self.w(f"{r.name} = {self._rne_bf16(prod)}")
-        elif n.a.lower == "rne_finite_bits":  # int8 x bf16 products: a NaN's low half is zero
+        if n.a.lower == "rne_finite_bits":  # int8 x bf16 products: a NaN's low half is zero
             u = self.fresh("u")
             self.w(f"{u} = {prod}.to(tl.uint32, bitcast=True)")
             self.w(f"{r.name} = (({u} + 0x7FFF + (({u} >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)")

@@ -446,9 +446,10 @@ def dequant(q: Value, scale: Value, dtype: T.ElemType = T.bf16) -> Value:
     `q` is a 2-D integer tile over (rows, k); `scale` a bf16 tile over (rows, groups) (index its
     group dim with `kd.mx_groups(k, limit, group)`). One scale load per group, broadcast along k in
     registers (not a gather per element), and the product of an int8 and a bf16 is exact in f32,
-    so the one rounding is that of a bf16 dequant. Targets without a bf16 convert (gfx94x) round
-    by integer bits: the NaN guard of a general cast is not needed, because the low half of the
-    f32 product of a bf16 NaN is zero, so the rounding bias cannot carry it into an infinity."""
+    so the one rounding is that of a bf16 dequant. Targets without a bf16 convert (gfx94x, and the
+    interpreter) round by integer bits: the NaN guard of a general cast is not needed, because the
+    low half of the f32 product of a bf16 NaN is zero, so the rounding bias cannot carry it into an
+    infinity."""
     c = ctx()
     if len(q.axes) != 2 or q.dtype.is_float or q.dtype.bits != 8:
         raise c.error(f"dequant takes a 2-D int8 tile (rows, k), got {q!r}")

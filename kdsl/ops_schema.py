@@ -274,7 +274,7 @@ RECORDS: dict[str, OpRecord] = {r.name: r for r in (
     _rec("mx_decode", (OperandSpec("packed", VALUE), OperandSpec("scale", VALUE, optional=True)),
          (AttrSpec("g", AXIS, nullable=True),)),
     _rec("dequant", (OperandSpec("q", VALUE), OperandSpec("scale", VALUE)),
-         (AttrSpec("g", AXIS), AttrSpec("dtype", DTYPE), AttrSpec("lower", STR, required=False, choices=("native", "rne_bits", "rne_finite_bits"))),
+         (AttrSpec("g", AXIS), AttrSpec("dtype", DTYPE), AttrSpec("lower", STR, required=False, choices=("native", "rne_finite_bits"))),
          doc="int8 x per-group bf16 scale, rounded to bf16"),
     _rec("load", _ACCESS, (AttrSpec("other", NUMBER), _BOUNDS,
                            AttrSpec("bound_mode", STR, required=False, choices=("clamp",))), rule=_access("plain")),
