@@ -944,7 +944,7 @@ def moe_stage1_w4a16(x: kd.In["M", "K", kd.bf16], w13: kd.In["E", "N2", "K", kd.
                 au + _wdot(a, _dequant_g32(w13, s13, e, n + I, k, "KG"), wr))
 
     z = kd.zeros((n, tid) if wr else (tid, n), kd.f32)
-    ag, au = kd.fold(_k_tiles("K", 64), (z, z), body)  # BLOCK_K 128 spills on gfx942 (dequant tiles)
+    ag, au = kd.fold(_k_tiles("K", 64), (z, z), body)
     inter.store(rows, n, value=kd.silu(ag) * au, mask=valid)
 
 
@@ -1074,7 +1074,7 @@ def moe_stage2_w4a16(inter: kd.In["S", "I", kd.bf16], w2: kd.In["E", "H", "I", k
     def body(k, acc):
         return acc + _wdot(inter.load(rows, k, mask=valid), _dequant_g32(w2, s2, e, n, k, "IG"), wr)
 
-    acc = kd.fold(_k_tiles("I", 32), kd.zeros((n, rows) if wr else (rows, n), kd.f32), body)  # BLOCK_K 64+ spills on gfx942
+    acc = kd.fold(_k_tiles("I", 32), kd.zeros((n, rows) if wr else (rows, n), kd.f32), body)
     _s2_epilogue(acc, tid, valid, n, topk_w, out, partial)
 
 
