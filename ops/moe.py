@@ -812,9 +812,9 @@ def _k_tiles(dim: str, default: int = 128):
     return kd.tiles(dim, block="BLOCK_K", domain=K_BLOCKS, default=default)
 
 
-def _unpack(default: str = "bfe", domain: tuple[str, ...] = ("shift", "bfe")) -> str:
+def _unpack(default: str = "bfe") -> str:
     """The int4 unpack lowering (kdsl `load(..., unpack=)`), tuned like a tile size."""
-    return kd.tunable("INT4_UNPACK", domain, default, "int4 nibble extraction: shifts or bit-field extracts")
+    return kd.tunable("INT4_UNPACK", ("shift", "bfe"), default, "int4 nibble extraction: shifts or bit-field extracts")
 
 
 def _w_rows(default: int) -> int:
@@ -919,7 +919,8 @@ def _dequant_g32(w, s, e, n, k, groups: str):
     per (row, group) is loaded and broadcast along k in registers (`kd.dequant`; a scale gathered
     per element cost a load and its address per weight); "sbfe" unpacks each nibble with one signed
     bit-field extract after one XOR per word (the offset-binary nibbles of "bfe" cost 3 VALU)."""
-    q = w.load(e, n, k, unpack=_unpack("shift", ("shift", "sbfe")))
+    how = kd.tunable("INT4_UNPACK", ("shift", "sbfe"), "shift", "int4 nibble extraction: shifts or signed extracts")
+    q = w.load(e, n, k, unpack=how)
     return kd.dequant(q, s.load(e, n, kd.mx_groups(k, kd.dim(groups), GROUP)))
 
 

@@ -374,7 +374,8 @@ def pack_ref(q: torch.Tensor, pack: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("kern,pack", [(i_int4_qo, "quark_order"), (i_int4_qr, "quark_reorder"), (i_int4_ct, "ct"),
                                        (i_int4_qo_bfe, "quark_order"), (i_int4_qr_bfe, "quark_reorder"),
-                                       (i_int4_ct_bfe, "ct"), (i_int4_ct_sbfe, "ct"), (i_int4_qr_sbfe, "quark_reorder")])
+                                       (i_int4_ct_bfe, "ct"), (i_int4_ct_sbfe, "ct"),
+                                       (i_int4_qr_sbfe, "quark_reorder")])
 def test_int4_unpack(kern, pack):
     g = gen(12)
     N, K = 7, 40                                   # K tail: 40 = 2.5 tiles of 16
