@@ -431,8 +431,8 @@ class Emitter:
         addr, wmask, waxes = self._packed_access(n, "kw")
         words = self.fresh("words")
         self.w(f"{words} = tl.load({addr}, mask={wmask}, other=0)")
-        if n.a.unpack == "bfe":
-            self._int4_bfe(r, words, waxes, pack)
+        if n.a.unpack in ("bfe", "sbfe"):
+            self._int4_bfe(r, words, waxes, pack, signed=n.a.unpack == "sbfe")
             return
         nib = self.fresh("sh")
         if pack.order == (0, 1, 2, 3, 4, 5, 6, 7):
@@ -450,16 +450,37 @@ class Emitter:
             self.w(f"{q} = (({w3} >> {sh3}) & 15) - 8")
         self.w(f"{r.name} = tl.reshape({q}, {self.shape(r.axes)}).to(tl.int8)")
 
-    def _int4_bfe(self, r: Value, words: str, waxes: tuple[Axis, ...], pack: T.Int4) -> None:
+    def op_dequant(self, n: Node) -> None:
+        """int8 (rows, k) x bf16 (rows, groups) broadcast along k in registers, rounded to bf16."""
+        r, q, s = n.results[0], n.a.q, n.a.scale
+        rows, k = r.axes
+        g = n.a.g
+        sc = self.aligned(s, (rows, g))
+        sf, prod = self.fresh("sf"), self.fresh("dq")
+        self.w(f"{sf} = tl.reshape(tl.broadcast_to(({sc}).to(tl.float32)[:, :, None], "
+               f"({rows.size}, {g.size}, {k.size // g.size})), ({rows.size}, {k.size}))")
+        self.w(f"{prod} = {self.aligned(q, (rows, k))}.to(tl.float32) * {sf}")
+        if n.a.lower == "rne_finite_bits":  # int8 x bf16 products: a NaN's low half is zero
+            u = self.fresh("u")
+            self.w(f"{u} = {prod}.to(tl.uint32, bitcast=True)")
+            self.w(f"{r.name} = (({u} + 0x7FFF + (({u} >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)")
+        else:
+            self.w(f"{r.name} = {prod}.to(tl.bfloat16)")
+
+    def _int4_bfe(self, r: Value, words: str, waxes: tuple[Axis, ...], pack: T.Int4, signed: bool = False) -> None:
         """Unpack with constant shifts per nibble (AMD: one v_bfe_i32 each), then interleave.
 
         A join tree join(join(join(e0, e4), join(e2, e6)), join(join(e1, e5), join(e3, e7))) has
         shape [..., 2, 2, 2] whose row-major flattening is elements 0..7 in order."""
         el = []
+        if signed and not pack.twos:  # offset binary (q + 8): flip each nibble's top bit, then sign-extend
+            flipped = self.fresh("wx")
+            self.w(f"{flipped} = {words} ^ -2004318072  # 0x88888888")
+            words = flipped
         for e in range(8):
             i = pack.order.index(e)  # the nibble holding element e
             v = self.fresh("e")
-            if pack.twos:
+            if pack.twos or signed:
                 self.w(f"{v} = ({words} << {28 - 4 * i}) >> 28")
             else:
                 self.w(f"{v} = (({words} >> {4 * i}) & 15) - 8")

@@ -439,6 +439,36 @@ def mx_decode(v: Value, scale: Value | None = None) -> Value:
     return out
 
 
+def dequant(q: Value, scale: Value, dtype: T.ElemType = T.bf16) -> Value:
+    """Group-scaled dequant of an int8 tile (e.g. unpacked int4): `(q * scale[row, k // group])`
+    rounded to nearest even in `dtype` (bf16), the group being `k.size // groups`.
+
+    `q` is a 2-D integer tile over (rows, k); `scale` a bf16 tile over (rows, groups) (index its
+    group dim with `kd.mx_groups(k, limit, group)`). One scale load per group, broadcast along k in
+    registers (not a gather per element), and the product of an int8 and a bf16 is exact in f32,
+    so the one rounding is that of a bf16 dequant. Targets without a bf16 convert (gfx94x, and the
+    interpreter) round by integer bits: the NaN guard of a general cast is not needed, because the
+    low half of the f32 product of a bf16 NaN is zero, so the rounding bias cannot carry it into an
+    infinity."""
+    c = ctx()
+    if len(q.axes) != 2 or q.dtype.is_float or q.dtype.bits != 8:
+        raise c.error(f"dequant takes a 2-D int8 tile (rows, k), got {q!r}")
+    if scale.dtype is not T.bf16 or len(scale.axes) != 2:
+        raise c.error(f"dequant: scale must be a 2-D bf16 tile (rows, groups), got {scale!r}")
+    rows, k = q.axes
+    if rows not in scale.axes:
+        raise c.error(f"dequant: scale {scale!r} must share the rows axis {rows} of {q!r}")
+    g = next(ax for ax in scale.axes if ax is not rows)
+    if g is k or k.size % g.size:
+        raise c.error(f"dequant: the k tile ({k.size}) must be a whole number of scale groups ({g.size})")
+    if dtype is not T.bf16:
+        raise c.error(f"dequant: only bf16 results are supported, got {dtype!r}")
+    masks = frozenset(m for m in q.masks | scale.masks if g not in m.axes)
+    out = Value(T.bf16, q.axes, masks, hint="dq")
+    c.add("dequant", [out], q=q, scale=scale, g=g, dtype=T.bf16)
+    return out
+
+
 def zeros(axes: Sequence[Value | Axis], dtype: T.ElemType) -> Value:
     return full(axes, 0, dtype)
 
@@ -786,7 +816,7 @@ def _index_values(h, idx: Sequence[Any]) -> list[Value | int]:
     return out
 
 
-INT4_UNPACKS = ("shift", "bfe")
+INT4_UNPACKS = ("shift", "bfe", "sbfe")
 
 
 def load(h, *idx: Any, mask: Value | None = None, other: int | float = 0, unpack: str = "shift") -> Value:
@@ -794,7 +824,9 @@ def load(h, *idx: Any, mask: Value | None = None, other: int | float = 0, unpack
 
     For packed int4 operands `unpack` picks the lowering: "shift" extracts the eight nibbles with one
     vector of shift amounts (2 shifts per element); "bfe" extracts each nibble with constant shifts
-    (one sign-extending bit-field extract per element on AMD) and interleaves them with tl.join."""
+    (one sign-extending bit-field extract per element on AMD for two's-complement packings) and
+    interleaves them with tl.join; "sbfe" is "bfe" that first flips an offset-binary packing's sign
+    bits (one XOR per word), so every nibble is one signed extract there too."""
     if T.is_fp4(h.dtype):
         return _load_fp4(h, idx, mask)
     c = ctx()

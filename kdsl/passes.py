@@ -7,7 +7,7 @@ from typing import Any, Iterable
 from . import types as T
 from .ir import Block, Node, Value, walk
 from .ops_schema import PackedTile
-from .targets import Target
+from .targets import Target, bf16_convert
 
 SIDE_EFFECTS = {"store", "atomic_add", "exit_if", "barrier"}
 
@@ -91,6 +91,10 @@ def legalize(root: Block, target: Target) -> None:
                 n.a.lower = "rne_fp8_bits"
             else:
                 n.a.lower = "plain"
+        elif n.op == "dequant":
+            # gfx94x has no f32 -> bf16 convert: round by integer bits (exact products, no NaN guard);
+            # the interpreter (which truncates) runs the same bits, so CPU tests cover that lowering
+            n.a.lower = "native" if bf16_convert(target) and not interp else "rne_finite_bits"
         elif n.op in ("binary", "unary", "minmax", "where"):
             dt = n.results[0].dtype
             n.a.f32_then_round = interp and dt is T.bf16 and not (n.op == "unary" and n.a.op == "~")

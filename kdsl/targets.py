@@ -169,3 +169,9 @@ def native_fp8(target: Target) -> tuple[T.DType, ...]:
     if target.name.startswith("gfx94"):
         return (T.fp8e4m3fnuz, T.fp8e5m2fnuz)
     return (T.fp8e4m3fn, T.fp8e5m2)
+
+
+def bf16_convert(target: Target) -> bool:
+    """Whether the target converts f32 to bf16 (nearest even) in one instruction: gfx950
+    (v_cvt_pk_bf16_f32) and NVIDIA do; gfx94x emulates it with integer ops and a NaN check."""
+    return not (target.backend == "hip" and str(target.name).startswith("gfx94"))

@@ -926,12 +926,14 @@ def moe_stage1_w4a8_acc(x: kd.In["M", "K", kd.i8], w13: kd.In["E", "N2", "K", kd
     acc_u.store(rows, n, value=au, mask=valid)
 
 
-def _dequant_g32(w, s, e, n, k):
-    """int4 (ct) x bf16 group-32 scale -> bf16 tile (n, k), rounded like a bf16 dequant. The unpack
-    lowering is tuned: bit-field extracts cut gfx950's main-loop VALU ~3x at 16x128 tiles, while
-    gfx942 is indifferent (the scale gather and the f32 -> bf16 rounding dominate there)."""
-    q = w.load(e, n, k, unpack=_unpack("shift"))
-    return (q.to(kd.f32) * s[e, n, k // GROUP].to(kd.f32)).to(kd.bf16)
+def _dequant_g32(w, s, e, n, k, groups: str):
+    """int4 (ct) x bf16 group-32 scale -> bf16 tile (n, k), rounded like a bf16 dequant. One scale
+    per (row, group) is loaded and broadcast along k in registers (`kd.dequant`; a scale gathered
+    per element cost a load and its address per weight); "sbfe" unpacks each nibble with one signed
+    bit-field extract after one XOR per word (the offset-binary nibbles of "bfe" cost 3 VALU)."""
+    how = kd.tunable("INT4_UNPACK", ("shift", "sbfe"), "shift", "int4 nibble extraction: shifts or signed extracts")
+    q = w.load(e, n, k, unpack=how)
+    return kd.dequant(q, s.load(e, n, kd.mx_groups(k, kd.dim(groups), GROUP)))
 
 
 @kd.kernel(static=("TOPK",), example={**S1_EXAMPLE, "KG": KIMI["H"] // GROUP},
@@ -951,11 +953,11 @@ def moe_stage1_w4a16(x: kd.In["M", "K", kd.bf16], w13: kd.In["E", "N2", "K", kd.
 
     def body(k, ag, au):
         a = x.load(tok, k, mask=valid)
-        return (ag + _wdot(a, _dequant_g32(w13, s13, e, n, k), wr),
-                au + _wdot(a, _dequant_g32(w13, s13, e, n + I, k), wr))
+        return (ag + _wdot(a, _dequant_g32(w13, s13, e, n, k, "KG"), wr),
+                au + _wdot(a, _dequant_g32(w13, s13, e, n + I, k, "KG"), wr))
 
     z = kd.zeros((n, tid) if wr else (tid, n), kd.f32)
-    ag, au = kd.fold(_k_tiles("K", 64), (z, z), body)  # BLOCK_K 128 spills on gfx942 (dequant tiles)
+    ag, au = kd.fold(_k_tiles("K", 64), (z, z), body)
     inter.store(rows, n, value=kd.silu(ag) * au, mask=valid)
 
 
@@ -1083,9 +1085,9 @@ def moe_stage2_w4a16(inter: kd.In["S", "I", kd.bf16], w2: kd.In["E", "H", "I", k
     wr = _w_rows(0)
 
     def body(k, acc):
-        return acc + _wdot(inter.load(rows, k, mask=valid), _dequant_g32(w2, s2, e, n, k), wr)
+        return acc + _wdot(inter.load(rows, k, mask=valid), _dequant_g32(w2, s2, e, n, k, "IG"), wr)
 
-    acc = kd.fold(_k_tiles("I", 32), kd.zeros((n, rows) if wr else (rows, n), kd.f32), body)  # BLOCK_K 64+ spills on gfx942
+    acc = kd.fold(_k_tiles("I", 32), kd.zeros((n, rows) if wr else (rows, n), kd.f32), body)
     _s2_epilogue(acc, tid, valid, n, topk_w, out, partial)
 
 

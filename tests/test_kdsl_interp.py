@@ -358,6 +358,25 @@ def i_int4_ct_bfe(w: kd.In["N", "K", kd.int4("ct")], out: kd.Out["N", "K", kd.i8
     out[n, k] = w.load(n, k, unpack="bfe")
 
 
+@kd.kernel
+def i_int4_ct_sbfe(w: kd.In["N", "K", kd.int4("ct")], out: kd.Out["N", "K", kd.i8]):
+    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
+    out[n, k] = w.load(n, k, unpack="sbfe")
+
+
+@kd.kernel
+def i_int4_qr_sbfe(w: kd.In["N", "K", kd.int4("quark_reorder")], out: kd.Out["N", "K", kd.i8]):
+    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
+    out[n, k] = w.load(n, k, unpack="sbfe")
+
+
+@kd.kernel
+def i_dequant_g(w: kd.In["N", "K", kd.int4("ct")], s: kd.In["N", "KG", kd.bf16], out: kd.Out["N", "K", kd.bf16]):
+    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(32, 64), default=64))
+    q = w.load(n, k, unpack=kd.tunable("INT4_UNPACK", ("shift", "sbfe"), "sbfe"))
+    out[n, k] = kd.dequant(q, s.load(n, kd.mx_groups(k, kd.dim("KG"), 32)))
+
+
 def pack_ref(q: torch.Tensor, pack: str) -> torch.Tensor:
     """Independent packer: nibble i of each int32 word holds element order[i] of its group of 8."""
     order = {"quark_order": [0, 1, 2, 3, 4, 5, 6, 7], "quark_reorder": [0, 2, 4, 6, 1, 3, 5, 7],
@@ -372,7 +391,8 @@ def pack_ref(q: torch.Tensor, pack: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("kern,pack", [(i_int4_qo, "quark_order"), (i_int4_qr, "quark_reorder"), (i_int4_ct, "ct"),
                                        (i_int4_qo_bfe, "quark_order"), (i_int4_qr_bfe, "quark_reorder"),
-                                       (i_int4_ct_bfe, "ct")])
+                                       (i_int4_ct_bfe, "ct"), (i_int4_ct_sbfe, "ct"),
+                                       (i_int4_qr_sbfe, "quark_reorder")])
 def test_int4_unpack(kern, pack):
     g = gen(12)
     N, K = 7, 40                                   # K tail: 40 = 2.5 tiles of 16
@@ -381,6 +401,25 @@ def test_int4_unpack(kern, pack):
     out = poisoned((N, K), torch.int8)
     kern(pack_ref(q, pack), out)
     assert torch.equal(out, q)
+
+
+@pytest.mark.parametrize("how", ["shift", "sbfe"])
+def test_dequant_group_scales_bit_exact(how):
+    """kd.dequant = (q * s[row, k // 32]) rounded to nearest even in bf16, bit for bit, also for
+    tie products, huge / tiny / inf / NaN scales; K tail of half a tile."""
+    g = gen(13)
+    N, K = 7, 96
+    q = torch.randint(-8, 8, (N, K), generator=g, dtype=torch.int8)
+    s = (torch.randn(N, K // 32, generator=g) * 0.05).bfloat16()
+    s[0, 0] = torch.tensor(1.0 + 2.0 ** -7).bfloat16()  # 3 * (1 + 2^-7) sits on a bf16 rounding tie
+    q[0, :4] = torch.tensor([3, -3, 5, 7], dtype=torch.int8)
+    s[1] = torch.tensor([3.0e38, 1.0e-30, float("inf")]).bfloat16()  # (subnormal scales: the interpreter flushes)
+    s[2, 0] = float("nan")
+    out = poisoned((N, K), torch.bfloat16)
+    i_dequant_g(pack_ref(q, "ct"), s, out, config={"INT4_UNPACK": how})
+    ref = (q.float() * s.float().repeat_interleave(32, dim=1)).bfloat16()
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out[~ref.isnan()], ref[~ref.isnan()])
 
 
 def test_int4_pack_ref_known_word():

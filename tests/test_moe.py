@@ -242,7 +242,7 @@ def test_experts_formats(fmt, M, shape, reduce):
     if M == 7:
         cfg["stage2_quant"] = "fused"  # W4A8: stage 2 quantizes its own A tiles
     if M == 4 and fmt != "bf16":  # the other int4 unpack lowering than each format's default
-        how = {"w4a8": "shift", "w4a16": "bfe"}[fmt]
+        how = {"w4a8": "shift", "w4a16": "sbfe"}[fmt]
         cfg = {**cfg, "stage1": {**cfg["stage1"], "INT4_UNPACK": how}, "stage2": {**cfg["stage2"], "INT4_UNPACK": how}}
     y = moe.fused_experts(x, ids, wts, W, config=cfg)
     ref = moe.fused_experts(x, ids, wts, W, backend="torch")

@@ -59,7 +59,7 @@ def test_gfx950_moe_stage1_w4a16_main_loop_is_found():
     from autotune.problems import full_dims
     from ops.moe import moe_stage1_w4a16
 
-    cfg = {"BLOCK_N": 16, "BLOCK_M": 16, "BLOCK_K": 64, "INT4_UNPACK": "bfe", "num_warps": 4, "num_stages": 2}
+    cfg = {"BLOCK_N": 16, "BLOCK_M": 16, "BLOCK_K": 64, "INT4_UNPACK": "sbfe", "num_warps": 4, "num_stages": 2}
     prob = {"E": 384, "K": 7168, "I": 2048, "TOPK": 8}
     dims = full_dims(moe_stage1_w4a16, prob, 16, cfg, get_target("gfx950"))
     r = aot.report(moe_stage1_w4a16, "gfx950", cfg, dims)
