@@ -80,9 +80,10 @@ def test_moe_problem_model_keys_on_expert_shapes():
     assert problem_key("moe_stage2_w4a8_pq", {"E": 384, "H": 7168, "I": 2048, "TOPK": 8, "T": 8}) == \
         "E384_H7168_I2048_TOPK8"
     d = full_dims("moe_stage1_w4a8", p1, 4, {"BLOCK_M": 32})
-    assert (d["T"], d["NB"], d["S"], d["N2"]) == (32, 1 + 32, 33 * 32, 4096)
+    # the most blocks T rows can fill, K + (T - K) // BLOCK_M with K = min(E, T) (ops.moe.aligned_blocks)
+    assert (d["T"], d["NB"], d["S"], d["N2"]) == (32, 32 + 0, 32 * 32, 4096)
     d2 = full_dims("moe_stage2_w4a8_pq", {"E": 16, "H": 64, "I": 32, "TOPK": 4}, 10, {"BLOCK_M": 16})
-    assert (d2["T"], d2["NB"], d2["MO"], d2["P"]) == (40, 3 + 16, 10, 40)
+    assert (d2["T"], d2["NB"], d2["MO"], d2["P"]) == (40, 16 + 24 // 16, 10, 40)
     pm = model_for("moe_stage1_w4a8")
     assert experts_touched(p1, 1) == pytest.approx(8)
     weights = 8 * (4096 * 7168 / 2 + 4096 * 4)
