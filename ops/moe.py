@@ -1158,6 +1158,26 @@ def moe_combine_norm(partial: kd.In["P", "D", kd.f32], ids: kd.In["P", kd.i32], 
     out[m, d] = rf * kd.rsqrt(ms + eps) * w[d].to(kd.f32)
 
 
+def _check_combine(op: str, partial: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None,
+                   res: torch.Tensor, backend: str) -> tuple[int, int]:
+    """The arguments of a combine that ends a layer into the residual stream: residual [M, H] bf16,
+    routed partials [M*top_k, H] f32, ids [M, top_k] int32, shared [M, H] bf16 or None. Returns (M, H)."""
+    check_backend(op, backend)
+    check_tensor(op, "residual", res, 2, (torch.bfloat16,), contiguous=True)
+    M, H = res.shape
+    dev = res.device
+    check_tensor(op, "partial", partial, 2, (torch.float32,), dev, contiguous=True)
+    check_tensor(op, "ids", ids, 2, (torch.int32,), dev, contiguous=True)
+    if ids.shape[0] != M or tuple(partial.shape) != (ids.numel(), H):
+        raise ValueError(f"{op}: needs ids [M={M}, top_k] and partial [M*top_k, {H}], got "
+                         f"{tuple(ids.shape)} and {tuple(partial.shape)}")
+    if shared is not None:
+        check_tensor(op, "shared", shared, 2, (torch.bfloat16,), dev, contiguous=True)
+        if shared.shape != res.shape:
+            raise ValueError(f"{op}: shared must be [{M}, {H}], got {tuple(shared.shape)}")
+    return M, H
+
+
 def moe_combine_norm_ref(partial: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None, res: torch.Tensor,
                          w: torch.Tensor, eps: float, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of `moe_combine_norm`: (normed bf16 [M, D], new residual bf16 [M, D])."""
@@ -1184,20 +1204,11 @@ def combine_norm(partial: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor 
     `fused_experts(..., partials=True)`) summed in k order, + shared [M, H] bf16 (or None), added
     into `res` [M, H] bf16 IN PLACE (the residual stream), returns rmsnorm(res) * weight bf16 (the
     next layer's normed input). Ids outside [0, n_experts) add nothing. No device read."""
-    check_backend("combine_norm", backend)
-    check_tensor("combine_norm", "residual", res, 2, (torch.bfloat16,), contiguous=True)
-    M, H = res.shape
+    M, H = _check_combine("combine_norm", partial, ids, shared, res, backend)
     dev = res.device
-    check_tensor("combine_norm", "partial", partial, 2, (torch.float32,), dev, contiguous=True)
-    check_tensor("combine_norm", "ids", ids, 2, (torch.int32,), dev, contiguous=True)
     check_tensor("combine_norm", "weight", weight, 1, (torch.bfloat16,), dev, contiguous=True)
-    if ids.shape[0] != M or tuple(partial.shape) != (ids.numel(), H) or weight.shape[0] != H:
-        raise ValueError(f"combine_norm: needs ids [M={M}, top_k], partial [M*top_k, {H}] and weight [{H}], got "
-                         f"{tuple(ids.shape)}, {tuple(partial.shape)} and {tuple(weight.shape)}")
-    if shared is not None:
-        check_tensor("combine_norm", "shared", shared, 2, (torch.bfloat16,), dev, contiguous=True)
-        if shared.shape != res.shape:
-            raise ValueError(f"combine_norm: shared must be [{M}, {H}], got {tuple(shared.shape)}")
+    if weight.shape[0] != H:
+        raise ValueError(f"combine_norm: weight must be [{H}], got {tuple(weight.shape)}")
     if backend == "torch":
         y, r = moe_combine_norm_ref(partial, ids, shared, res, weight, eps, n_experts)
         res.copy_(r)
@@ -1236,19 +1247,8 @@ def combine_add(partial: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor |
     residual stream, as `combine_norm`); returns that new residual as f32 [M, H] (exact), for a
     consumer that normalizes its rows itself (ops.gemm.gemm_bf16_rmsnorm). Ids outside
     [0, n_experts) add nothing. No device read."""
-    check_backend("combine_add", backend)
-    check_tensor("combine_add", "residual", res, 2, (torch.bfloat16,), contiguous=True)
-    M, H = res.shape
+    M, H = _check_combine("combine_add", partial, ids, shared, res, backend)
     dev = res.device
-    check_tensor("combine_add", "partial", partial, 2, (torch.float32,), dev, contiguous=True)
-    check_tensor("combine_add", "ids", ids, 2, (torch.int32,), dev, contiguous=True)
-    if ids.shape[0] != M or tuple(partial.shape) != (ids.numel(), H):
-        raise ValueError(f"combine_add: needs ids [M={M}, top_k] and partial [M*top_k, {H}], got "
-                         f"{tuple(ids.shape)} and {tuple(partial.shape)}")
-    if shared is not None:
-        check_tensor("combine_add", "shared", shared, 2, (torch.bfloat16,), dev, contiguous=True)
-        if shared.shape != res.shape:
-            raise ValueError(f"combine_add: shared must be [{M}, {H}], got {tuple(shared.shape)}")
     if backend == "torch":
         r = (moe_combine_rank_ref(partial, ids, shared, n_experts).float() + res.float()).to(torch.bfloat16)
         res.copy_(r)
