@@ -62,23 +62,25 @@ def test_combine_norm_equals_unfused_chain(M, D, K, E):
     assert torch.equal(r1, r2) and torch.equal(y1, y2)
 
 
+def _guarded(t: torch.Tensor, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """t copied into the middle of a bigger buffer with GUARD rows of `fill` on each side: (view, buffer)."""
+    buf = torch.full((t.shape[0] + 2 * GUARD, *t.shape[1:]), fill, dtype=t.dtype)
+    buf[GUARD:GUARD + t.shape[0]] = t
+    return buf[GUARD:GUARD + t.shape[0]], buf
+
+
 def test_combine_norm_bad_ids_stay_inside_guards():
     """Views into bigger buffers with poisoned guard rows: ids outside [0, E) (and the NaN rows
     they name) touch nothing; only the token rows are written."""
     M, D, K, E = 3, 64, 4, 8
     ids, part, sh, res, w = _case(M, D, K, E, seed=11, bad=(-1, E, 10**6, -2**31))
 
-    def guarded(t, fill):
-        buf = torch.full((t.shape[0] + 2 * GUARD, *t.shape[1:]), fill, dtype=t.dtype)
-        buf[GUARD:GUARD + t.shape[0]] = t
-        return buf[GUARD:GUARD + t.shape[0]], buf
-
     nan = float("nan")
-    pv, pbuf = guarded(part, nan)
-    iv, ibuf = guarded(ids.reshape(-1), -123)
-    sv, sbuf = guarded(sh, nan)
-    rv, rbuf = guarded(res, nan)
-    ov, obuf = guarded(torch.full((M, D), nan, dtype=torch.bfloat16), nan)
+    pv, pbuf = _guarded(part, nan)
+    iv, ibuf = _guarded(ids.reshape(-1), -123)
+    sv, sbuf = _guarded(sh, nan)
+    rv, rbuf = _guarded(res, nan)
+    ov, obuf = _guarded(torch.full((M, D), nan, dtype=torch.bfloat16), nan)
     y_ref, r_ref = moe.moe_combine_norm_ref(part, ids, sh, res, w, 1e-6, E)
     moe.moe_combine_norm(pv, iv, sv, rv, w, ov, K, E, 1, 1e-6)
     for buf, n in ((pbuf, M * K), (sbuf, M), (rbuf, M), (obuf, M)):
@@ -113,17 +115,12 @@ def test_combine_add_bad_ids_stay_inside_guards_and_checks():
     M, D, K, E = 3, 64, 4, 8
     ids, part, sh, res, w = _case(M, D, K, E, seed=12, bad=(-1, E, 10**6, -2**31))
 
-    def guarded(t, fill):
-        buf = torch.full((t.shape[0] + 2 * GUARD, *t.shape[1:]), fill, dtype=t.dtype)
-        buf[GUARD:GUARD + t.shape[0]] = t
-        return buf[GUARD:GUARD + t.shape[0]], buf
-
     nan = float("nan")
-    pv, pbuf = guarded(part, nan)
-    iv, ibuf = guarded(ids.reshape(-1), -123)
-    sv, sbuf = guarded(sh, nan)
-    rv, rbuf = guarded(res, nan)
-    ov, obuf = guarded(torch.full((M, D), nan), nan)
+    pv, pbuf = _guarded(part, nan)
+    iv, ibuf = _guarded(ids.reshape(-1), -123)
+    sv, sbuf = _guarded(sh, nan)
+    rv, rbuf = _guarded(res, nan)
+    ov, obuf = _guarded(torch.full((M, D), nan), nan)
     r_ref = res.clone()
     moe.combine_norm(part, ids, sh, r_ref, w, 1e-6, E)
     moe.moe_combine_add(pv, iv, sv, rv, ov, K, E, 1)
