@@ -713,7 +713,11 @@ class Emitter:
             if r.axes and not (isinstance(x, Value) and x.axes):  # tl.fma wants tensors of one shape
                 e = f"tl.full({self.shape(r.axes)}, {e}, tl.float32)"
             args.append(e)
-        self.w(f"{r.name} = tl.fma({', '.join(args)})")
+        if self.interp:      # one rounding on every Triton's interpreter (before 3.9 it rounds twice)
+            self.need("from kdsl import interp as _kdi")
+            self.w(f"{r.name} = _kdi.fma({', '.join(args)})")
+        else:
+            self.w(f"{r.name} = tl.fma({', '.join(args)})")
 
     def op_pow(self, n: Node) -> None:
         r = n.results[0]

@@ -10,6 +10,7 @@ What Triton 3.9's interpreter (an `InterpretedFunction`, as kdsl runs it) gets w
   sorting network of sort/top-k is replaced by `sort`/`topk` below (the packed keys are the GPU's).
 - `triton.language.extra.libdevice` (tanh, rint, pow) has no interpreter lowering (TypeError "cannot
   convert None to tensor"): `tanh`, `rint`, `pow` below. `tl.math.erf` runs (math.erf per element).
+- `tl.fma` rounds twice (a * b, then + c) on Triton's interpreter before 3.9: `fma` below rounds once.
 - `for i in range(...)` hands the body a Python int, so `i.to(...)` fails: the emitter casts it to i32.
 - A user `@triton.jit` helper must be wrapped as `InterpretedFunction(helper.fn)` to be called."""
 from __future__ import annotations
@@ -65,3 +66,21 @@ def pow(x: tl.tensor, y) -> tl.tensor:  # noqa: A001
         d = np.power(xd.astype(np.float32), np.asarray(yd, dtype=np.float32))
     shape = np.broadcast_shapes(xd.shape, np.shape(yd))
     return _wrap(np.broadcast_to(d, shape).astype(np.float32), tl.float32)
+
+
+def fma(a: tl.tensor, b: tl.tensor, c: tl.tensor) -> tl.tensor:
+    """`tl.fma(a, b, c)` in f32 with one rounding, as the GPU's fused multiply-add (f32 tensors of one
+    shape or numbers). a * b is exact in f64; the f64 sum s and its exact error e (two-sum) give the sum rounded
+    to odd (s, or its f64 neighbour toward e when s is inexact and even), whose rounding to f32 is
+    the correctly rounded a * b + c (f64 keeps more than 24 + 2 bits)."""
+    x, y, z = np.broadcast_arrays(*(np.asarray(_data(t) if isinstance(t, tl.tensor) else t, np.float32)
+                                    .astype(np.float64) for t in (a, b, c)))
+    with np.errstate(all="ignore"):
+        p = x * y
+        s = p + z
+        bb = s - p
+        e = (p - (s - bb)) + (z - bb)
+        even = (s.view(np.int64) & 1) == 0
+        bump = even & (e != 0) & np.isfinite(s) & np.isfinite(e)
+        s = np.where(bump, np.nextafter(s, np.where(e > 0, np.inf, -np.inf)), s)
+    return _wrap(s.astype(np.float32), tl.float32)

@@ -87,6 +87,21 @@ def test_fma_rounds_once():
     assert torch.equal(out, exact) and bool((exact != 0).any())
 
 
+def test_interpreter_fma_rounds_the_exact_sum():
+    """kdsl.interp.fma (the interpreter lowering) rounds a * b + c once, also where an f64 sum would
+    land on an f32 midpoint: (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24 is a midpoint and + 2^-80 lies just
+    above it, so the answer rounds up; an f64 multiply-add rounds the 2^-80 away and then ties to even."""
+    import numpy as np
+
+    from kdsl import interp
+
+    a = np.full(2, 1 + 2.0 ** -12, np.float32)
+    c = np.array([2.0 ** -80, -(2.0 ** -80)], np.float32)
+    up, down = np.float32(1 + 2.0 ** -11 + 2.0 ** -23), np.float32(1 + 2.0 ** -11)
+    assert list(interp.fma(a, a, c).handle.data) == [up, down]
+    assert (a.astype(np.float64) * a + c).astype(np.float32)[0] == down  # the double rounding it avoids
+
+
 # ---------------------------------------------------------------------------------------------
 # fold with tuple state: online softmax
 
