@@ -239,7 +239,10 @@ class _MoE:
         path (MXFP4). `raw_next` (world size 1, a next layer whose attention `takes_raw_rows`): the
         layer ends with combine_add instead (the same sums, no norm, split over D: combine_norm's
         one program per token leaves the GPU idle at decode) and returns the new residual as f32
-        rows [1, T, hidden] in place of the normed rows; the next attention applies `nxt`."""
+        rows [1, T, hidden] in place of the normed rows; the next attention applies `nxt`. With the
+        split-K shared expert (and the owner's `combine_in_shared`, default) that combine_add runs in
+        the shared down GEMM's epilogue (ops.swiglu.gemm_bf16_swiglu_combine): the layer ends in one
+        launch, not two, with the same bits."""
         from ops.moe import MoEWeights, combine_add, combine_norm, combine_rank, expert_block_m, fused_experts
 
         if self.backend != "triton" or not isinstance(self.experts, MoEWeights) or h.dtype != torch.bfloat16 \
@@ -262,6 +265,11 @@ class _MoE:
                                            logits=logits)
         part = fused_experts(x, ids, w, self.experts, backend="triton", check_ids=False, xq=xq, partials=True,
                              aligned=aligned)
+        if self.comm.world == 1 and raw_next and shared_part is not None and \
+                getattr(self.owner, "combine_in_shared", True):
+            # the shared expert's down GEMM ends the layer: combine_add in its epilogue, one launch
+            rows = self.shared.down_combine_of_partials(shared_part, part, ids, h, len(self.local))
+            return rows.unsqueeze(0), h
         if shared_part is not None:
             s = self.shared.down_of_partials(shared_part)
         else:
@@ -506,6 +514,9 @@ class KimiModel:
         # triton, world size 1: a MoE layer ends without the next input norm when the next attention
         # norms its rows in its first GEMM's prologue (_MLA.takes_raw_rows); False: every layer ends normed
         self.norm_in_gemm = True
+        # ... and such a layer's end (combine_add) runs in the epilogue of its shared expert's down GEMM
+        # (ops.swiglu.gemm_bf16_swiglu_combine: one launch fewer, the same bits); False: combine_add
+        self.combine_in_shared = True
         self.capture_ids = tuple(capture_ids) if capture_ids is not None else cfg.capture_layer_ids
         for i in self.capture_ids:
             if not 1 <= i <= cfg.num_hidden_layers:

@@ -72,6 +72,8 @@ norm (or the final norm): the roundings of `moe_sum` + add + cast + `rmsnorm_add
 next layer's q_a|kv_a GEMM norms its input rows itself (`gemm_bf16_rmsnorm`), the layer ends with
 `combine_add` instead (kernel `moe_combine_add`: the same residual, no norm, split over D so that a
 decode token spreads over many programs; it also returns the residual as f32 rows for that GEMM).
+With the split-K shared expert that combine_add runs in the epilogue of the shared down GEMM
+(`ops.swiglu.gemm_bf16_swiglu_combine`: the same bits, one launch fewer per layer).
 At world size > 1 the layer ends with `combine_rank` (kernel `moe_combine_rank`: the rank's top-k sum
 + shared, bf16, the all-reduce payload) and the next norm runs after the all-reduce; an expert-parallel
 rank routes with `route(..., local=(first, count))` (kernel `moe_route_local`: local ids, -1 for other

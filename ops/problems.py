@@ -199,6 +199,15 @@ MODELS: list[ProblemModel] = [
                  # a row sits at its own place (row mod 16) of one aligned 16-row dot at any BLOCK_M; a
                  # program's N_TILES dots are each a BLOCK_N dot of the same A tile
                  shared_numerics=True, launch_keys=("BLOCK_M", "N_TILES")),
+    # gemm_bf16_swiglu with ops.moe.moe_combine_add in its epilogue (the MoE layer's end): its weights
+    # and SwiGLU rows, no bf16 shared output; moe_combine_add's routed rows (f32) and ids in, residual
+    # read and written (bf16), the residual as f32 rows out. Same tiles (and numerics keys) as gemm_bf16_swiglu
+    ProblemModel("gemm_bf16_swiglu_combine", ("N", "I", "S", "TOPK"), peak_dtype="bf16", loop_dim="I",
+                 bytes_fn=lambda p, m: (p["N"] * p["I"] * 2 + m * p["I"] * 2 + routed_rows(p, m) * p["N"] * 4
+                                        + m * (p["N"] * 8 + p["TOPK"] * 4)),
+                 flops_fn=lambda p, m: 2.0 * m * p["N"] * p["I"] + (p["TOPK"] + 2.0) * m * p["N"],
+                 derived=lambda p, m, c: {"N2": 2 * p["I"], **_topk_derived(p, m, c)},
+                 shared_numerics=True, launch_keys=("BLOCK_M", "N_TILES")),
     ProblemModel("gemm_bf16*", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],
                  flops_fn=_gemm(2, 2, "bf16")[1], shared_numerics=True),
     ProblemModel("gemm_fp8*", ("N", "K"), peak_dtype="fp8", bytes_fn=_gemm(1, 1, "fp8")[0],

@@ -8,6 +8,13 @@ up columns), adds them in split order in f32, rounds gate and up to bf16 (what a
 stores), applies SiLU(gate)*up rounded to bf16 (ops.gemm.gemm_bf16_silu_mul's epilogue) and
 multiplies that into the down projection [N, I]: the epilogue and the down GEMM in one launch,
 so the split costs no launch.
+
+`gemm_bf16_swiglu_combine` (kernel `gemm_bf16_swiglu_combine`) is the same GEMM for a MoE layer's
+shared expert with the end of the layer in its epilogue (`ops.moe.combine_add`'s work for the
+program's columns): the top-k routed partial rows summed in k order (ids outside [0, E) count 0),
++ the shared output rounded to bf16 (what gemm_bf16_swiglu stores), rounded to bf16, added into the
+residual stream in place, and the new residual returned as f32 rows for the next layer's
+`gemm_bf16_rmsnorm`. The bits of gemm_bf16_swiglu + combine_add, one launch fewer.
 """
 from __future__ import annotations
 
@@ -69,7 +76,66 @@ def gemm_bf16_swiglu_kernel(part: kd.In["S", "M", "N2", kd.f32], w: kd.In["N", "
             out[mm, n] = acc
 
 
-KERNELS = (gemm_bf16_swiglu_kernel,)
+COMBINE_EXAMPLE = {"S": 4, "M": 1, "N2": 4096, "I": 2048, "N": 7168, "P": 8, "TOPK": 8, "E": 384}
+
+
+def _combine_into(acc, m, mm, small, n, partial, ids, res, rows):
+    """ops.moe.moe_combine_add over the tile (mm, n) with the shared output `acc` (f32, rounded to
+    bf16 first: what gemm_bf16_swiglu stores and combine_add reads): the top-k partial rows in k order
+    (a row whose id is outside [0, E) counts 0 and is never read), + shared, -> bf16, + residual ->
+    bf16, stored in place and as f32 rows. A tile under 16 rows spans the aligned 16 (`_mma_rows`):
+    the rows before m.start belong to other programs, so every load and store of them is masked."""
+    K = kd.static("TOPK")
+    own = (m.start <= mm) if small else None
+    tot = None
+    for j in range(K):
+        e = ids[mm * K + j]
+        ok = (e >= 0) & (e < kd.static("E"))
+        v = partial.load(mm * K + j, n, mask=ok if own is None else ok & own)
+        tot = v if tot is None else tot + v
+    tot = tot + acc.to(kd.bf16).to(kd.f32)
+    old = res[mm, n] if own is None else res.load(mm, n, mask=own)
+    r = (tot.to(kd.bf16).to(kd.f32) + old.to(kd.f32)).to(kd.bf16)
+    if own is None:
+        res[mm, n] = r
+        rows[mm, n] = r.to(kd.f32)
+    else:
+        kd.store(res, (mm, n), r, mask=own)
+        kd.store(rows, (mm, n), r.to(kd.f32), mask=own)
+
+
+@kd.kernel(name="gemm_bf16_swiglu_combine", static=("S", "TOPK", "E"), example=COMBINE_EXAMPLE,
+           checks=[("N2", lambda d: d["N2"] == 2 * d["I"], "part must be [S, M, 2*I] (gate columns then up)"),
+                   ("P", lambda d: d["P"] == d["M"] * d["TOPK"], "partial and ids must hold M*TOPK rows")])
+def gemm_bf16_swiglu_combine_kernel(part: kd.In["S", "M", "N2", kd.f32], w: kd.In["N", "I", kd.bf16],
+                                    partial: kd.In["P", "N", kd.f32], ids: kd.In["P", kd.i32],
+                                    res: kd.InOut["M", "N", kd.bf16], rows: kd.Out["M", "N", kd.f32],
+                                    TOPK: kd.Dim, E: kd.Dim):
+    """gemm_bf16_swiglu's program (the same prologue, tiles and dots: the same shared-expert bits)
+    ending a MoE layer: with y = the tile of bf16(silu(gate) * up) @ w^T rounded to bf16,
+    res <- bf16(bf16(sum_k partial[m*TOPK + k] (ids in [0, E)) + y) + res), rows = res as f32: the
+    adds and roundings of ops.moe.moe_combine_add, whose launch it saves."""
+    bn = kd.tunable("BLOCK_N", BN_DOMAIN, 64)
+    tiles_n = kd.tunable("N_TILES", N_TILES_DOMAIN, 1, "BLOCK_N tiles per program, each its own dot of the "
+                         "program's one A tile: the prologue is shared, a tile's bits are not changed (launch-only)")
+    m, nt = kd.grid(kd.tile("M", "BLOCK_M", domain=NORM_BM_DOMAIN, default=16), kd.tile("N", bn * tiles_n))
+    ns = [kd.span(nt.start + j * bn, bn, kd.dim("N"), "N") for j in range(tiles_n)]
+    I = kd.dim("I")
+    small = m.size < MMA_ROWS
+    mm, place = _mma_rows(m) if small else (m, 0)
+
+    def body(k, *accs):
+        a = (kd.silu(_split_rows(part, m, k)) * _split_rows(part, m, k + I)).to(kd.bf16)
+        a = kd.pad(a, m, mm, offset=place) if small else a
+        return tuple(acc + kd.dot(a, w[n, k]) for acc, n in zip(accs, ns))
+
+    ks = kd.tiles("I", block="BLOCK_K", domain=BK_DOMAIN, default=64)
+    accs = kd.fold(ks, tuple(kd.zeros((mm, n), kd.f32) for n in ns), body)
+    for acc, n in zip(accs if isinstance(accs, tuple) else (accs,), ns):
+        _combine_into(acc, m, mm, small, n, partial, ids, res, rows)
+
+
+KERNELS = (gemm_bf16_swiglu_kernel, gemm_bf16_swiglu_combine_kernel)
 
 
 def swiglu_of_partials_ref(part: torch.Tensor) -> torch.Tensor:
@@ -108,3 +174,39 @@ def gemm_bf16_swiglu(part: torch.Tensor, w: torch.Tensor, backend: str = "triton
         gemm_bf16_swiglu_kernel(part, w, out, config=config)
     return out
 
+
+
+def gemm_bf16_swiglu_combine(part: torch.Tensor, w: torch.Tensor, partial: torch.Tensor, ids: torch.Tensor,
+                             res: torch.Tensor, n_experts: int, backend: str = "triton",
+                             config: dict | None = None, invariant: bool = True) -> torch.Tensor:
+    """`gemm_bf16_swiglu(part, w)` (a MoE layer's shared expert) and `ops.moe.combine_add(partial,
+    ids, shared, res, n_experts)` in one launch, with their bits: routed partials [M*top_k, N] f32
+    summed in k order + the shared output (bf16), added into `res` [M, N] bf16 IN PLACE; returns the
+    new residual as f32 [M, N] (exact). Ids outside [0, n_experts) add nothing. No device read.
+    Tuned files are keyed by N, I, S and TOPK; `invariant` (default): the M=1 numerics at every M."""
+    from ops.moe import _check_combine, moe_combine_rank_ref
+
+    name = "gemm_bf16_swiglu_combine"
+    M, N = _check_combine(name, partial, ids, None, res, backend)
+    check_tensor(name, "part", part, 3, (torch.float32,), res.device)
+    check_tensor(name, "w", w, 2, (torch.bfloat16,), res.device)
+    S, MP, N2 = part.shape
+    NW, I = w.shape
+    if N2 != 2 * I or MP != M or NW != N:
+        raise ValueError(f"{name}: needs part [S, M={M}, 2*I] and w [N={N}, I] with I = w.shape[1], got "
+                         f"{tuple(part.shape)} and {tuple(w.shape)}")
+    if S < 1:
+        raise ValueError(f"{name}: part needs at least one split, got {tuple(part.shape)}")
+    if backend == "torch":
+        shared = gemm_bf16_swiglu_ref(part, w)
+        r = (moe_combine_rank_ref(partial, ids, shared, n_experts).float() + res.float()).to(torch.bfloat16)
+        res.copy_(r)
+        return r.float()
+    K = ids.shape[1]
+    problem = {"N": N, "I": I, "S": S, "TOPK": K}
+    config = invariant_config(gemm_bf16_swiglu_combine_kernel, problem, M, config) if invariant else \
+        config_for(gemm_bf16_swiglu_combine_kernel, problem, M, config)
+    rows = torch.empty(M, N, dtype=torch.float32, device=res.device)
+    if M:
+        gemm_bf16_swiglu_combine_kernel(part, w, partial, ids.reshape(-1), res, rows, K, n_experts, config=config)
+    return rows

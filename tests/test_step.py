@@ -358,12 +358,15 @@ def test_tune_model_dry_run_lists_the_step_problems(capsys):
     out = capsys.readouterr().out
     # N=4480: the shared expert's gate|up rows and the router's rows as one split-K GEMM, then SiLU*up
     # and down over its 4 splits; N=2112: q_a|kv_a as one split-K GEMM (after a MoE layer with the input
-    # norm in its prologue, the layer before ending with moe_combine_add); o_proj split along K, its
+    # norm in its prologue, the layer before ending in its shared expert's down GEMM with moe_combine_add's
+    # work in the epilogue: gemm_bf16_swiglu_combine; the last MoE layer keeps gemm_bf16_swiglu and
+    # moe_combine_norm); o_proj split along K, its
     # partials summed by the residual norm (the tuned split count in the key)
     for want in ("gemm_bf16_splitk N=4480,K=7168", "gemm_bf16_swiglu N=7168,I=2048,S=4", "gemm_bf16_splitk N=2112,K=7168",
                  "gemm_bf16_rmsnorm N=2112,K=7168", "gemm_bf16_splitk N=7168,K=8192",
                  "mla_decode_split QL=1,H=64,DL=512,DR=64,PS=64", "moe_stage1_w4a8 E=384,K=7168,I=2048,TOPK=8",
-                 "rmsnorm_add_quant_splitk D=7168,S=4", "moe_combine_add D=7168,TOPK=8", "moe_combine_norm D=7168,TOPK=8",
+                 "rmsnorm_add_quant_splitk D=7168,S=4", "gemm_bf16_swiglu_combine N=7168,I=2048,S=4,TOPK=8",
+                 "moe_combine_norm D=7168,TOPK=8",
                  "moe_route_align E=384,TOPK=8,NG=1,EA=384,BM=16", "gemm_bf16 N=163840,K=7168"):
         assert want in out
 
