@@ -304,3 +304,29 @@ def test_swiglu_rows_batch1_equal_batch8(arch: str) -> None:
     one = swiglu.gemm_bf16_swiglu(part[:, 3:4], w, config=cfg[1])
     for m in (8, 128):
         assert torch.equal(swiglu.gemm_bf16_swiglu(part, w, config=cfg[m])[3], one[0])
+
+
+@pytest.mark.parametrize("arch,S", [("gfx942", 4), ("gfx950", 8)])
+def test_swiglu_combine_rows_batch1_equal_batch8(arch: str, S: int) -> None:
+    """The shared expert's down GEMM ending a MoE layer (the top-k sum and the residual add in its
+    epilogue) at the Kimi TP1 problem's tuned configs: one numerics choice for every M, and a token's
+    new residual row has the same bits alone and in a batch of 8 (with 64 and 128 rows' configs too)."""
+    from ops import swiglu
+
+    g = torch.Generator().manual_seed(10)
+    M, I, N, K, E = 8, 32, 96, 4, 16
+    part = torch.randn(S, M, 2 * I, generator=g)
+    w = (torch.randn(N, I, generator=g) * 0.2).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(torch.int32)
+    partial = torch.randn(M * K, N, generator=g)
+    res = torch.randn(M, N, generator=g).bfloat16()
+    kern = swiglu.gemm_bf16_swiglu_combine_kernel
+    prob = {"N": 7168, "I": 2048, "S": S, "TOPK": 8}
+    cfg = {m: invariant_config(kern, prob, m, None, arch=arch) for m in (1, 8, 128)}
+    assert len({str(_numerics(c, kern)) for c in cfg.values()}) == 1
+    r1 = res[3:4].clone()
+    one = swiglu.gemm_bf16_swiglu_combine(part[:, 3:4], w, partial[3 * K:4 * K], ids[3:4], r1, E, config=cfg[1])
+    for m in (8, 128):
+        r = res.clone()
+        rows = swiglu.gemm_bf16_swiglu_combine(part, w, partial, ids, r, E, config=cfg[m])
+        assert torch.equal(rows[3], one[0]) and torch.equal(r[3], r1[0])

@@ -275,8 +275,9 @@ def test_model_fused_moe_half_equals_unfused_chain(tmp_path_factory):
     forced onto the unfused chain (add_norm -> fused_experts -> moe_sum_ids -> + shared -> add_norm).
     Logits and aux captures agree bit for bit (the fused kernels keep every rounding); the aux
     captures are the residual entering each layer, untouched by the in-place norms after them.
-    The default model (MoE layers ending with combine_add, the next input norm in the q_a|kv_a GEMM's
-    prologue) agrees within the triton-vs-torch tolerances."""
+    The default model (MoE layers ending with combine_add's work in the shared expert's down GEMM,
+    gemm_bf16_swiglu_combine, the next input norm in the q_a|kv_a GEMM's prologue) agrees within the
+    triton-vs-torch tolerances."""
     from models.kimi import KimiModel
     from tests._model_fixtures import one_thread, tiny_pair
 
@@ -289,7 +290,7 @@ def test_model_fused_moe_half_equals_unfused_chain(tmp_path_factory):
     for (_, _, _, mlp) in plain.layers:
         if hasattr(mlp, "fused_block"):
             mlp.fused_block = lambda *a, **k: None           # the unfused chain, same kernels otherwise
-    raw = KimiModel(tk, backend="triton", capture_ids=ids)   # combine_add, the norm in the next q_a|kv_a GEMM
+    raw = KimiModel(tk, backend="triton", capture_ids=ids)   # no norm at the MoE end: it is in the next q_a|kv_a GEMM
     assert any(attn.takes_raw_rows for (_, attn, _, _) in raw.layers[1:])
     toks = [[5, 9, 2, 7], [3, 1]]
     outs = []
