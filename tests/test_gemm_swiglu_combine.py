@@ -92,3 +92,15 @@ def test_bad_ids_stay_inside_guards_and_checks():
         op(part[:, :2], w, partial, ids, res.clone(), E)
     with pytest.raises(ValueError, match="w"):
         op(part, w[:, :16], partial, ids, res.clone(), E)
+
+
+def test_kernel_refuses_partials_of_another_row_count():
+    """The partial rows and ids are read at m*TOPK + k from the row tile (no loaded index bounds them):
+    the launch itself refuses P != M*TOPK, naming the rule, whatever the wrapper checks."""
+    import kdsl as kd
+
+    S, M, I, N, K, E = 1, 2, 32, 32, 2, 4
+    part, w, ids, partial, res = _case(S, M, I, N, K, E, seed=5)
+    rows = poisoned((M, N), torch.float32)
+    with pytest.raises(kd.LaunchError, match="M\\*TOPK"):
+        W.gemm_bf16_swiglu_combine_kernel(part, w, partial[:3], ids.reshape(-1)[:3], res.clone(), rows, K, E)
