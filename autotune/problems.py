@@ -51,8 +51,9 @@ class ProblemModel:
     launch_dims: Callable[[Problem, int, dict[str, Any], Any], Problem] | None = None
     # the grid dim whose programs re-read the same bulk bytes (L2 hits, no extra HBM streams) and
     # those bytes at M=m: GEMM/MoE programs along M share the weights (the default: m_dim and the
-    # bytes at M=0); attention programs along the query-row tile share the KV cache
-    reuse_dim: str | None = None
+    # bytes at M=0); attention programs along the query-row tile (and MLA's value-column split)
+    # share the KV cache; a tuple names several such dims
+    reuse_dim: str | tuple[str, ...] | None = None
     shared_bytes_fn: Callable[[Problem, int], float] | None = None
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)

@@ -217,7 +217,8 @@ def score(kernel: Any, target: Target, problem: dict[str, Any], m: int, config: 
     m_frac = 1.0 - shared_bytes(kernel, problem, m) / nbytes if nbytes else 1.0
     gs = sp.grid_size(dims)
     reuse = pm.reuse_dim or pm.m_dim
-    m_tiles = math.prod(g for g, e in zip(gs, sp.grid) if e.dim == reuse) or 1
+    reuse = (reuse,) if isinstance(reuse, str) else tuple(reuse)
+    m_tiles = math.prod(p.count(dims) for e in sp.grid for p in e.leaves() if p.dim in reuse) or 1
     extra = extra_bytes(kernel, problem, m, dims)
     fig = costmodel.predict(report, target, math.prod(gs), loop_iters(kernel, dims, sp.config), nbytes, flops,
                             pm.peak_dtype, m_tiles, m_frac, extra)

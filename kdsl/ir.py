@@ -130,9 +130,24 @@ class TunableSpec:
 
 @dataclass
 class GridEntry:
-    kind: str  # "tile" or "each"
+    kind: str  # "tile", "each" or "nest" (one launch axis over the product of `parts`)
     dim: str
     block: int = 1
+    parts: tuple["GridEntry", ...] = ()
+
+    def count(self, dims: dict[str, int]) -> int:
+        """Programs along this entry at `dims`."""
+        if self.kind == "nest":
+            n = 1
+            for p in self.parts:
+                n *= p.count(dims)
+            return n
+        d = dims[self.dim]
+        return -(-d // self.block) if self.kind == "tile" else d
+
+    def leaves(self) -> tuple["GridEntry", ...]:
+        """The tile/each entries behind this one (itself unless a nest)."""
+        return self.parts if self.kind == "nest" else (self,)
 
 
 @dataclass(frozen=True)

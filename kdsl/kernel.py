@@ -103,11 +103,7 @@ class Specialization:
         return getattr(mod, self.kernel.name)
 
     def grid_size(self, dims: dict[str, int]) -> tuple[int, ...]:
-        g = []
-        for e in self.grid:
-            n = dims[e.dim]
-            g.append(-(-n // e.block) if e.kind == "tile" else n)
-        return tuple(g)
+        return tuple(e.count(dims) for e in self.grid)
 
 
 class Kernel:
@@ -418,14 +414,15 @@ class Kernel:
                     raise LaunchError(self.name, op, f"the kernel accesses {op} at the constant index {k} along {d}, "
                                                      f"but {d} = {dims[d]}")
         for ax, (e, g) in enumerate(zip(sp.grid, grid)):
-            if g < 0:
-                raise LaunchError(self.name, e.dim, f"dim {e.dim} = {dims[e.dim]} is negative (grid axis {ax})")
+            for p in e.leaves():
+                if dims[p.dim] < 0:
+                    raise LaunchError(self.name, p.dim, f"dim {p.dim} = {dims[p.dim]} is negative (grid axis {ax})")
+                if p.kind == "tile" and p.count(dims) * p.block >= I32_SPAN:
+                    raise LaunchError(self.name, p.dim, f"dim {p.dim} = {dims[p.dim]} in tiles of {p.block} overflows "
+                                                        f"32-bit tile indices")
             if g > GRID_LIMITS[ax]:
                 raise LaunchError(self.name, e.dim, f"grid axis {ax} over dim {e.dim} needs {g} programs, more than "
                                                     f"the launch limit {GRID_LIMITS[ax]}")
-            if e.kind == "tile" and g * e.block >= I32_SPAN:
-                raise LaunchError(self.name, e.dim, f"dim {e.dim} = {dims[e.dim]} in tiles of {e.block} overflows "
-                                                    f"32-bit tile indices")
         return grid
 
     def __call__(self, *args: Any, config: dict[str, Any] | None = None, target: str | Target | None = None,

@@ -610,6 +610,17 @@ class each:
         self.dim = dim
 
 
+class nest:
+    """A grid spec: one launch axis that enumerates every combination of its specs' programs (the
+    last spec fastest), for a kernel with more than three grid dims; the kernel sees each spec's
+    tile (or index) as if it had its own axis."""
+
+    def __init__(self, *specs: str | tile | each) -> None:
+        if len(specs) < 2 or any(isinstance(s, nest) for s in specs):
+            raise ctx().error("kd.nest takes two or more tile/each specs (no nested nest)")
+        self.specs = specs
+
+
 def _program_id(axis: int) -> Value:
     out = Value(T.i32, (), hint="pid")
     ctx().add("program_id", [out], axis=axis)
@@ -642,8 +653,9 @@ def full_range(name: str) -> Value:
     return span(0, size, n if size != n else None, name)
 
 
-def grid(*specs: str | tile | each, order: "grouped | None" = None, programs: str | None = None) -> list[Value]:
-    """Launch one program per tile of the listed dims; returns each program's tile (or index).
+def grid(*specs: str | tile | each | nest, order: "grouped | None" = None, programs: str | None = None) -> list[Value]:
+    """Launch one program per tile of the listed dims; returns each program's tile (or index), a
+    `kd.nest(...)` spec giving one per spec it holds.
 
     `order=kd.grouped(...)` remaps program ids to a grouped order; `programs="P"` launches P programs
     (a dim of the kernel) that each loop over tiles P apart (a persistent schedule): the rest of the
@@ -654,9 +666,14 @@ def grid(*specs: str | tile | each, order: "grouped | None" = None, programs: st
     if not 1 <= len(specs) <= 3:
         raise c.error(f"grid takes 1 to 3 dims, got {len(specs)}")
     if order is not None or programs is not None:
+        if any(isinstance(s, nest) for s in specs):
+            raise c.error("a remapped grid (order= or programs=) takes no kd.nest spec")
         return _grid_remapped(specs, order, programs)
     out = []
     for axis, s in enumerate(specs):
+        if isinstance(s, nest):
+            out.extend(_grid_nest(axis, s))
+            continue
         s = tile(s) if isinstance(s, str) else s
         dim(s.dim)  # validates the name
         pid = _program_id(axis)
@@ -667,6 +684,41 @@ def grid(*specs: str | tile | each, order: "grouped | None" = None, programs: st
             b = s.block_size()
             c.grid.append(GridEntry("tile", s.dim, b))
             out.append(span(pid * b, b, dim(s.dim), s.dim))
+    return out
+
+
+def _grid_nest(axis: int, spec: nest) -> list[Value]:
+    """The tiles (or indices) of a `kd.nest` axis: its program id read as mixed-radix digits, the
+    last spec fastest; a spec with one program (a static count of 1) gets index 0 without a division."""
+    c = ctx()
+    parts = [tile(s) if isinstance(s, str) else s for s in spec.specs]
+    entries, counts, blocks = [], [], []
+    for s in parts:
+        n = dim(s.dim)
+        if isinstance(s, each):
+            entries.append(GridEntry("each", s.dim))
+            counts.append(n)
+            blocks.append(None)
+        else:
+            b = s.block_size()
+            entries.append(GridEntry("tile", s.dim, b))
+            counts.append(cdiv(n, b))
+            blocks.append(b)
+    c.grid.append(GridEntry("nest", "*".join(e.dim for e in entries), parts=tuple(entries)))
+    rem = _program_id(axis)
+    ids: list[Any] = [None] * len(parts)
+    for i in range(len(parts) - 1, 0, -1):
+        if isinstance(counts[i], int) and counts[i] == 1:
+            ids[i] = 0
+        else:
+            ids[i] = rem % counts[i]
+            rem = rem // counts[i]
+    ids[0] = rem
+    out = []
+    for s, b, i in zip(parts, blocks, ids):
+        n = dim(s.dim)
+        exact = isinstance(n, int) and n % b == 0  # a static dim the tiles cover exactly: no mask
+        out.append(i if b is None else span(i * b, b, None if exact else n, s.dim))
     return out
 
 

@@ -83,6 +83,14 @@ def store_split(part, lse, idx, cols, m_i, l_i, acc):
     lse[idx] = kd.where(has, m_i + kd.log2(kd.where(has, l_i, 1.0)), float("-inf"))
 
 
+def store_value_block(part, lse, idx, cols, m_i, l_i, acc, first):
+    """store_split for one of DL_SPLIT programs: its columns of the partial; the lse (the same
+    bits in each) only from the program of the first column block (`first`, a row vector)."""
+    has = l_i > 0
+    part[(*idx, cols)] = acc / kd.where(has, l_i, 1.0)
+    lse.store(*idx, value=kd.where(has, m_i + kd.log2(kd.where(has, l_i, 1.0)), float("-inf")), mask=first)
+
+
 def kernel_max_splits(heads):
     """max_splits_for(heads) inside a kernel, where the heads are a runtime dim."""
     if isinstance(heads, int):
@@ -121,8 +129,26 @@ def cached_len(seq_lens, b, pages, page_size):
     return kd.maximum(kd.minimum(seq_lens[b], pages * page_size), 0)
 
 
+def value_tile(dl_pad):
+    """The grid spec of the output latent columns one program accumulates: DL_SPLIT programs share
+    a (row block, split), each computing the full scores (the K tile over all DL + DR dims, so the
+    softmax state is the same in each) but P.V and the partial only for its DL / DL_SPLIT columns.
+    That divides the V tile every warp re-reads from LDS per step. A column's sum over the tokens
+    runs in the same order for any DL_SPLIT (the value block stays >= 32, so the matrix
+    instruction is the one of the whole row): a launch key, it changes no bit."""
+    dls = kd.tunable("DL_SPLIT", (1, 2, 4, 8), 1, "programs sharing a row block and split, each owning DL/DL_SPLIT "
+                     "output columns")
+    kd.require(dl_pad // dls >= 32, "DL_SPLIT must leave value blocks of >= 32 columns", "DL_SPLIT")
+    return kd.tile("DL", block=dl_pad // dls)
+
+
 def _split_body(q, kv, block_table, seq_lens, tree, part, lse, sm_scale):
-    b, mrow, split = kd.grid(kd.each("B"), kd.tile("QH", "BLOCK_M", domain=(16, 32, 64), default=16), kd.each("S"))
+    dl = kd.full_range("DL")
+    b, dv, mrow, split = kd.grid(kd.nest(kd.each("B"), value_tile(dl.size)),
+                                 kd.tile("QH", "BLOCK_M", domain=(16, 32, 64), default=16), kd.each("S"))
+    whole = dv.size == dl.size  # DL_SPLIT 1: the one value block is the latent tile itself
+    if whole:
+        dv = dl
     # default 32 (gfx942: 36 KiB LDS, 0 spills, also for the tree variant with its mask tile). Both
     # variants share it: the tile sets the summation order, and a tree verify's root row must
     # reproduce plain decode's numerics for greedy spec decoding to stay lossless
@@ -141,7 +167,6 @@ def _split_body(q, kv, block_table, seq_lens, tree, part, lse, sm_scale):
     PS = kd.dim("PS")
     r = mrow // H
     h = mrow % H
-    dl = kd.full_range("DL")
     dr = kd.full_range("DR")
     n_len = cached_len(seq_lens, b, kd.dim("MP"), PS)
     start, stop = split_range(n_len, split, QL, BN, kernel_max_splits(H))
@@ -156,19 +181,23 @@ def _split_body(q, kv, block_table, seq_lens, tree, part, lse, sm_scale):
         off = p % PS
         kl = kv[page, off, dl]
         kr = kv[page, off, dr + DL]
+        vl = kl if whole else kv[page, off, dv]
         if kv_rows:
             s = (kd.dot(kl, ql) + kd.dot(kr, qr)) * qk_scale  # [BLOCK_N, BLOCK_M]
         else:
             s = (kd.dot(ql, kl) + kd.dot(qr, kr)) * qk_scale  # [BLOCK_M, BLOCK_N]
         m_new, l_new, alpha, pr = softmax_step(s, visible(p, r, base, wbase, stop, tree, b), m_i, l_i, p)
         if pv_f32:
-            pv = kd.dot(pr, kl.to(kd.f32))
+            pv = kd.dot(pr, vl.to(kd.f32))
         else:
-            pv = kd.dot(pr.to(kd.bf16), kl)
+            pv = kd.dot(pr.to(kd.bf16), vl)
         return m_new, l_new, acc * alpha + pv
 
-    m_i, l_i, acc = kd.fold(kd.tiles(start=start, stop=stop, block=BN, label="N"), softmax_init(mrow, dl), step)
-    store_split(part, lse, (b, r, h, split), dl, m_i, l_i, acc)
+    m_i, l_i, acc = kd.fold(kd.tiles(start=start, stop=stop, block=BN, label="N"), softmax_init(mrow, dv), step)
+    if whole:
+        store_split(part, lse, (b, r, h, split), dl, m_i, l_i, acc)
+    else:
+        store_value_block(part, lse, (b, r, h, split), dv, m_i, l_i, acc, (h * 0 + dv.start) == 0)
 
 
 _EX = {"B": 1, "QL": 1, "QH": 64, "H": 64, "DQ": 576, "DL": 512, "DR": 64, "NP": 4096, "PS": 64, "MP": 128, "S": 8}

@@ -368,8 +368,9 @@ def _mha_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
 MODELS += [
     ProblemModel("mla_decode_split*", ("QL", "H", "DL", "DR", "PS"), peak_dtype="bf16", bytes_fn=_mla_bytes,
                  flops_fn=_mla_flops, derived=_mla_derived, launch_dims=_mla_launch, loop_dim="CHUNK",
-                 loop_block="BLOCK_N", reuse_dim="QH", shared_bytes_fn=_mla_kv_bytes, m_block=None,
-                 extra_bytes_fn=_split_partials, m_of=_batch_rows, shared_numerics=True, numerics_ref=_decode_ref),
+                 loop_block="BLOCK_N", reuse_dim=("QH", "DL"), shared_bytes_fn=_mla_kv_bytes, m_block=None,
+                 extra_bytes_fn=_split_partials, m_of=_batch_rows, shared_numerics=True, numerics_ref=_decode_ref,
+                 launch_keys=("DL_SPLIT",)),
     ProblemModel("mha_decode", ("QL", "HQ", "KVH", "D", "PS"), peak_dtype="bf16", bytes_fn=_mha_bytes,
                  flops_fn=_mha_flops, derived=_mha_derived, launch_dims=_mha_launch, loop_dim="CHUNK",
                  loop_block="BLOCK_N", reuse_dim="QG", shared_bytes_fn=_mha_kv_bytes, m_block=None,

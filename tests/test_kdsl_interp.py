@@ -174,6 +174,27 @@ def test_exit_if():
     assert torch.equal(out[live], x[live] + 1) and torch.isnan(out[~live]).all()
 
 
+@kd.kernel(static=("D",))
+def i_nest(x: kd.In["B", "M", "D", kd.f32], out: kd.Out["B", "M", "D", kd.f32]):
+    """Three grid dims on two launch axes: (B, D tiles) share axis 0, the D tiles fastest."""
+    b, d, m = kd.grid(kd.nest(kd.each("B"), kd.tile("D", domain=(4, 8, 16), default=8)), "M")
+    out[b, m, d] = x[b, m, d] * 2.0 + b
+
+
+def test_nest_grid_axis():
+    """Every (B, D tile) pair of a nest axis runs once (poisoned output fully written), a static
+    dim the tiles cover exactly gets no mask, and the grid counts the product on one axis."""
+    g = gen(12)
+    x = torch.randn(3, 21, 16, generator=g)
+    for bd in (4, 8, 16):
+        out = poisoned((3, 21, 16), torch.float32)
+        sp = i_nest(x, out, config={"BLOCK_D": bd, "BLOCK_M": 16})
+        assert sp.grid_size({"B": 3, "M": 21, "D": 16}) == (3 * 16 // bd, 2)
+        assert torch.equal(out, x * 2.0 + torch.arange(3.0)[:, None, None])
+    src = i_nest.source({"BLOCK_D": 4}, "interpret", static={"D": 16})
+    assert "% 4" in src and " < 16" not in src
+
+
 @kd.kernel(static=("M", "N"))
 def i_store_barrier_reload(x: kd.In["M", "N", kd.f32], buf: kd.Out["M", "N", kd.f32],
                            out: kd.Out["N", "M", kd.f32]):

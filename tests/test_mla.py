@@ -6,10 +6,12 @@ PV_F32=1 and an f32 output, every split count must agree with the single split t
 rounding (atol 2e-6)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from kdsl import ConfigError
 from ops import mla
 from tests.conftest import poisoned
 
@@ -189,6 +191,64 @@ def test_tree_window_longer_than_the_sequence_stays_in_bounds() -> None:
         mla.mla_decode(q[:2], kv, bt[:2], lens[:2], SCALE, latent_dim=DL, tree_mask=tm[:2], validate=True)
 
 
+def _split_run(q, kv, bt, lens, tm, splits, cfg, dl):
+    """The split kernel (tree variant with a mask) into poisoned partials and lse."""
+    B, QL, Hq, _ = q.shape
+    part, lse = poisoned((B, QL, Hq, splits, dl), torch.float32), poisoned((B, QL, Hq, splits), torch.float32)
+    args = (q, kv, bt, lens) if tm is None else (q, kv, bt, lens, tm)
+    kern = mla.mla_decode_split if tm is None else mla.mla_decode_split_tree
+    kern(*args, part, lse, SCALE, QL * Hq, q.shape[-1] - dl, config=cfg)
+    return part, lse
+
+
+def _column_stable_matmul(a, b, dtype=None, **kw):
+    """a @ b with every output element summed over k in order (k = 0, 1, ...), whatever the shape:
+    a matrix unit's per-element order (an MFMA/wgmma does not mix columns), which numpy's BLAS is
+    not (its blocking and tails change with N, and so do its last bits)."""
+    assert not kw and a.ndim == 2 and b.ndim == 2
+    dt = dtype or np.result_type(a, b)
+    a, b = a.astype(dt), b.astype(dt)
+    out = np.zeros((a.shape[0], b.shape[1]), dt)
+    for k in range(a.shape[1]):
+        out = out + a[:, k, None] * b[None, k, :]
+    return out
+
+
+@pytest.mark.parametrize("q_len,tree,cfg", [
+    (1, False, {"BLOCK_N": 16, "KV_ROWS": 0, "SPLIT_TOKENS": 0}),
+    (4, False, {"BLOCK_N": 32, "KV_ROWS": 1, "SPLIT_TOKENS": 64}),
+    (4, True, {"BLOCK_N": 16, "KV_ROWS": 1, "SPLIT_TOKENS": 0, "PV_F32": 1}),
+])
+def test_dl_split_is_bit_identical(q_len: int, tree: bool, cfg: dict, monkeypatch) -> None:
+    """DL_SPLIT programs each own DL / DL_SPLIT output columns of the same scores: with a dot
+    whose columns are summed independently (as the matrix units' are) every partial and lse
+    (stored once, by the first column block) has the bits of DL_SPLIT 1, and the combine of each
+    matches the reference. DL 128, so the value blocks keep the >= 32 columns the rule asks."""
+    dl, S = 128, 3
+    lens = [q_len + 2, 70]
+    q, kv, bt, lens_t = _setup(lens, q_len, seed=31 + q_len, heads=2, dl=dl)
+    tm = _window(len(lens), q_len, q_len + 2, seed=q_len) if tree else None
+    ref = mla.mla_decode_ref(q, kv, bt, lens_t, SCALE, dl, tree_mask=tm)
+    runs = {}
+    for stable in (False, True):
+        if stable:
+            monkeypatch.setattr(np, "matmul", _column_stable_matmul)
+        for dls in (1, 2, 4) if stable else (1, 4):
+            part, lse = _split_run(q, kv, bt, lens_t, tm, S, {**cfg, "DL_SPLIT": dls}, dl)
+            assert not part.isnan().any() and not lse.isnan().any()
+            out = poisoned((len(lens), q_len, 2, dl), torch.float32)
+            mla.mla_decode_combine_f32(part, lse, out, q_len * 2)
+            torch.testing.assert_close(out.double(), ref, **TOL)
+            runs[stable, dls] = part, lse
+    for dls in (2, 4):
+        for a, b in zip(runs[True, dls], runs[True, 1]):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    # the scores never leave the one QK^T shape: the lse has its bits even through numpy's BLAS
+    assert torch.equal(runs[False, 4][1].view(torch.int32), runs[False, 1][1].view(torch.int32))
+    with pytest.raises(ConfigError, match="DL_SPLIT"):  # a value block under 32 columns
+        _split_run(q, kv, bt, lens_t, tm, S, {**cfg, "DL_SPLIT": 8}, dl)
+
+
 def test_kernels_write_every_element() -> None:
     q, kv, bt, lens = _setup([5, 30], 1, seed=7)
     S = 8  # more splits than the short sequence has tokens: empty splits must still write
@@ -294,3 +354,21 @@ def test_aot_kv_rows_removes_repeated_qk(arch: str) -> None:
     assert cols.matrix_in_main_loop < rows.matrix_in_main_loop
     assert cols.vgpr + cols.agpr < rows.vgpr + rows.agpr
     assert cols.occupancy >= 2 and cols.lds_bytes <= 32768
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_aot_dl_split_keeps_the_matrix_instructions(arch: str) -> None:
+    """At the Kimi shape a DL split keeps the matrix instructions of the whole row (what makes it a
+    launch key on the device: each column's sum over the tokens runs through the same MFMA chain)
+    and reads less from LDS per step (the V tile is split)."""
+    from kdsl import aot
+
+    for cfg in ({"BLOCK_M": 64, "BLOCK_N": 16, "KV_ROWS": 0, "num_warps": 8},
+                {"BLOCK_M": 16, "BLOCK_N": 32, "KV_ROWS": 1, "num_warps": 4}):
+        one = aot.report(mla.mla_decode_split, arch, {**cfg, "num_stages": 1})
+        four = aot.report(mla.mla_decode_split, arch, {**cfg, "num_stages": 1, "DL_SPLIT": 4})
+        assert one.ok and four.ok and four.spills == 0
+        assert set(four.matrix_instructions) == set(one.matrix_instructions)
+        assert four.lds_slot_bytes_in_main_loop < one.lds_slot_bytes_in_main_loop
