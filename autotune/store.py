@@ -395,6 +395,23 @@ def select_entry(doc: dict[str, Any], m: int) -> dict[str, Any] | None:
     return by.get(ANY)
 
 
+def lookup_figures(kernel: Any, arch: Any, problem: dict[str, Any], m: int, root: str | None = None
+                   ) -> dict[str, Any] | None:
+    """The recorded figures (predicted_us, ...) of the entry `lookup_config` would pick, or None
+    when no tuned file or bucket holds one: lets an op choose between kernel paths by their tuned
+    times (a host lookup, no warning)."""
+    arch = _arch_name(arch)
+    if arch == "interpret":
+        return None
+    prob = strip_m(kernel, problem)
+    for path in candidate_paths(kernel, arch, prob, root, _cu_count(arch)):
+        doc = _cached_file(path)
+        entry = select_entry(doc, m) if doc is not None and doc["kernel"] == kernel_name(kernel) else None
+        if entry is not None:
+            return entry.get("figures")
+    return None
+
+
 def lookup_config(kernel: Any, arch: Any, problem: dict[str, Any], m: int, strict: bool = False,
                   root: str | None = None) -> dict[str, Any]:
     """The tuned config for `kernel` (a kdsl Kernel or its name) on `arch` at `problem` (dims other

@@ -54,8 +54,9 @@ def weight_bytes(fmt: str, shape: dict[str, int], experts: float) -> float:
     return experts * b + E * H * 2
 
 
-def launches(fmt: str, shape: dict[str, int], m: int) -> list[tuple[Any, dict[str, int], int]]:
-    """(kernel, problem, M) of every modelled launch of one `fused_moe` call, in order."""
+def launches(fmt: str, shape: dict[str, int], m: int, arch: str | None = None) -> list[tuple[Any, dict[str, int], int]]:
+    """(kernel, problem, M) of every modelled launch of one `fused_moe` call on `arch`, in order
+    (W4A8: the stages of the stage2_quant mode fused_experts picks there)."""
     from ops import moe
     from ops.quant import quant_per_token_int8
 
@@ -66,14 +67,15 @@ def launches(fmt: str, shape: dict[str, int], m: int) -> list[tuple[Any, dict[st
         from bench.mxfp4 import launches as mx_launches
 
         return [(moe.moe_gate_gemm, {"E": E, "H": H}, m)] + mx_launches("mxfp4", shape, m)
-    s1, s2 = moe.STAGE1[fmt], (moe.moe_stage2_w4a8_pq if fmt == "w4a8" else moe.STAGE2[fmt])
+    sq = moe.stage2_quant_mode(None, E, H, I, K, m, arch) if fmt == "w4a8" else None
+    s1, s2 = moe.W4A8_STAGES[sq] if sq else (moe.STAGE1[fmt], moe.STAGE2[fmt])
     p1, p2 = {"E": E, "K": H, "I": I, "TOPK": K}, {"E": E, "H": H, "I": I, "TOPK": K}
     out: list[tuple[Any, dict[str, int], int]] = [(moe.moe_gate_gemm, {"E": E, "H": H}, m)]
     if fmt == "w4a8":
         out.append((quant_per_token_int8, {"K": H}, m))
     out.append((s1, p1, m))
-    if fmt == "w4a8":
-        rows = full_dims(s1, p1, m, moe._stage_configs(None, fmt, E, H, I, K, m)[0])["S"]
+    if sq == "separate":
+        rows = full_dims(s1, p1, m, moe._stage_configs({"stage2_quant": sq}, fmt, E, H, I, K, m)[0])["S"]
         out.append((quant_per_token_int8, {"K": I}, rows))
     out.append((s2, p2, m))
     return out
@@ -103,7 +105,7 @@ def static_row(fmt: str, arch: str, m: int, shape: dict[str, int] = KIMI_MOE) ->
 
     target = get_target(arch)
     kernels = []
-    for k, prob, mm in launches(fmt, shape, m):
+    for k, prob, mm in launches(fmt, shape, m, target.name):
         fig = predict_config(k, target, prob, mm)
         kernels.append({"kernel": k.name, "m": mm, "predicted_us": fig["predicted_us"], "floor_us": fig["floor_us"],
                         "config": fig["config"], "resources": fig["resources"], "penalty": fig.get("penalty", "")})

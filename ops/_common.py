@@ -24,7 +24,8 @@ _VALIDATE = False
 # absmax): their result does not depend on the tiles, so batch-invariant mode keeps their tuned
 # per-bucket configs (the float epilogue is elementwise).
 EXACT_ACCUMULATION = frozenset({"gemm_w8a8", "gemm_w4a8", "gemm_w4a8_order", "gemm_w4a8_i32acc", "moe_stage1_w4a8",
-                                "moe_stage1_w4a8_acc", "moe_stage2_w4a8", "moe_stage2_w4a8_pq",
+                                "moe_stage1_w4a8_acc", "moe_stage1_w4a8_amax", "moe_stage2_w4a8",
+                                "moe_stage2_w4a8_pq", "moe_stage2_w4a8_aq",
                                 "quant_per_token_int8", "quant_per_token_fp8"})
 
 

@@ -23,7 +23,7 @@ Pipeline of `fused_moe` (backend="triton"):
    matter: aligning the values still in registers made Triton recompute the route's reduction
    chain in the align's layouts (gfx942: 512 VGPRs, ~13k spilled registers); read back, the
    kernel compiles without spills.
-2. Per-token int8 quantization (W4A8 only): `ops.quant.quant_per_token_int8` (absmax/127, RNE), or
+2. Per-token int8 quantization of the input rows (W4A8 only): `ops.quant.quant_per_token_int8` (absmax/127, RNE), or
    none when the caller passes the rows pre-quantized (`fused_experts(..., xq=(x8, xs))`: the model's
    post-attention `ops.norm.rms_norm_quant` emits them with the normed rows).
 3. Expert align (`moe_align`, kdsl: `moe_align_one` up to ALIGN_ONE_MAX_T rows (decode, verify: the
@@ -44,9 +44,16 @@ Pipeline of `fused_moe` (backend="triton"):
    mask = valid row and stores only valid rows, so a padding row's contents never reach an output
    (tests/test_moe_combine.py runs the stages on a NaN-poisoned intermediate).
 5. Stage 2 (`moe_stage2_{w4a8,w4a16,bf16}`): per block, the down GEMM. For W4A8 the bf16
-   intermediate is quantized to int8 per row (absmax/127, RNE): by default with
-   `quant_per_token_int8` over the [S, I] intermediate and then `moe_stage2_w4a8_pq` (main loop =
-   unpack + i32 MFMA only); with config "stage2_quant": "fused", `moe_stage2_w4a8` quantizes its A
+   intermediate is quantized to int8 per row (absmax/127, RNE), by default in whichever of the
+   next two ways the tuned files predict faster at that M (`amax_pays`; the same bits either way):
+   "separate", `quant_per_token_int8` over the [S, I] intermediate and then `moe_stage2_w4a8_pq`
+   (main loop = unpack + i32 MFMA only); "amax", `moe_stage1_w4a8_amax` also stores each (valid
+   row, BLOCK_N column tile)'s absmax of the bf16 it stores ([S, NT] f32, not zero-filled: stage 2
+   reads only valid rows') and `moe_stage2_w4a8_aq` takes the row absmax as the max of the NT tile
+   maxima (exact), forms the scale and divides exactly as `quant_per_token_int8` does while its A
+   tiles load: one launch fewer for ~6 VALU per A element in every program, which hides under
+   the weight stream on gfx942 (its wider BLOCK_N up to 256 means fewer programs re-quantizing a
+   block's rows) but not on gfx950 past M=1. With config "stage2_quant": "fused", `moe_stage2_w4a8` quantizes its A
    tiles itself (one launch less, but ~2x the main-loop VALU: every wave re-quantizes the A tile);
    with "stage2_quant": "stage1", `moe_stage1_w4a8_q` writes the int8 intermediate itself with one
    scale per (row, stage-1 BLOCK_N columns) (a row's I columns span several stage-1 programs, so a
@@ -88,6 +95,7 @@ Weight formats (`MoEWeights.fmt`):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -95,7 +103,7 @@ import torch
 import kdsl as kd
 
 from ops._common import check_backend, check_tensor, config_for, invariant_config
-from ops.quant import MIN_ABSMAX, _round_rne, quant_per_token_int8_ref, quantize_int8
+from ops.quant import MIN_ABSMAX, _div_rn, _int8_code, _round_rne, _row_divider, quant_per_token_int8_ref, quantize_int8
 
 NEG_INF = float("-inf")
 BIG = 1 << 30
@@ -915,6 +923,28 @@ def moe_stage1_w4a8_q(x: kd.In["M", "K", kd.i8], xs: kd.In["M", kd.f32],
     inter_s.store(rows, n.start // kd.tunable("BLOCK_N", N_BLOCKS, 64), value=sc, mask=valid)
 
 
+AMAX_CHECKS = [("NT", lambda d: d["NT"] >= 1, "NT (column tiles per row) must be >= 1")]
+
+
+@kd.kernel(static=("TOPK",), checks=S1_CHECKS + AMAX_CHECKS, example={**S1_EXAMPLE, "NT": KIMI["I"] // 64})
+def moe_stage1_w4a8_amax(x: kd.In["M", "K", kd.i8], xs: kd.In["M", kd.f32],
+                         w13: kd.In["E", "N2", "K", kd.int4("quark_reorder")], s13: kd.In["E", "N2", kd.f32],
+                         sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32],
+                         inter: kd.Out["S", "I", kd.bf16], inter_amax: kd.Out["S", "NT", kd.f32], TOPK: kd.Dim):
+    """`moe_stage1_w4a8` that also stores, per (valid row, BLOCK_N column tile), the absmax of the
+    bf16 values it stores (NT = cdiv(I, BLOCK_N)): a row's absmax over all of I is the max of its
+    NT tile maxima (exact), which `moe_stage2_w4a8_aq` forms itself, so no quant launch runs
+    between the stages and the int8 codes equal `quant_per_token_int8`'s. Each valid (row, tile) is
+    written by the one program of that block and tile; padding rows' entries are never written and
+    never read (stage 2 loads them with mask = valid row). A tile index >= NT is not stored."""
+    rows, n, valid, h = _w4a8_silu_up(x, xs, w13, s13, sorted_ids, block_expert, TOPK)
+    inter.store(rows, n, value=h, mask=valid)
+    hb = h.to(kd.bf16).to(kd.f32)  # the values just stored (the store rounds to bf16 the same way)
+    t = n.start // kd.tunable("BLOCK_N", N_BLOCKS, 64)
+    in_nt = kd.broadcast(t, (rows,)) < kd.dim("NT")  # a vector compare: the interpreter mixes no scalar bool in
+    inter_amax.store(rows, t, value=kd.max(kd.abs(hb), axis=n), mask=valid & in_nt)
+
+
 @kd.kernel(static=("TOPK",), checks=S1_CHECKS, example=S1_EXAMPLE)
 def moe_stage1_w4a8_acc(x: kd.In["M", "K", kd.i8], w13: kd.In["E", "N2", "K", kd.int4("quark_reorder")],
                         sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32],
@@ -1046,6 +1076,43 @@ def moe_stage2_w4a8_pq(inter: kd.In["S", "I", kd.i8], inter_s: kd.In["S", kd.f32
 
     acc = kd.fold(_k_tiles("I"), kd.zeros((n, rows) if wr else (rows, n), kd.i32), body)
     _s2_epilogue(acc * inter_s[rows] * s2[e, n], tid, valid, n, topk_w, out, partial)
+
+
+AMAX_TILE = 32  # stage-1 column-tile maxima a stage-2 program reads per step (NT is 8..32 at Kimi sizes)
+# moe_stage2_w4a8_aq's N tiles: every program quantizes its block's whole A rows, so wider tiles
+# (fewer programs per block) do less of that work in all
+AQ_N_BLOCKS = N_BLOCKS + (256,)
+
+
+@kd.kernel(static=("TOPK",), checks=AMAX_CHECKS, example={**S2_EXAMPLE, "NT": KIMI["I"] // 64})
+def moe_stage2_w4a8_aq(inter: kd.In["S", "I", kd.bf16], inter_amax: kd.In["S", "NT", kd.f32],
+                       w2: kd.In["E", "H", "I", kd.int4("quark_reorder")], s2: kd.In["E", "H", kd.f32],
+                       sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32], topk_w: kd.In["T", kd.f32],
+                       out: kd.InOut["MO", "H", kd.f32], partial: kd.Out["P", "H", kd.f32], TOPK: kd.Dim):
+    """W4A8 down on the bf16 intermediate of `moe_stage1_w4a8_amax`, quantized as its A tiles load:
+    the row absmax is the max of the row's NT stage-1 tile maxima (no pass over the row), the scale
+    and the division are `quant_per_token_int8`'s (`_row_divider`, `_div_rn`: 5 VALU per element,
+    correctly rounded), so the int8 codes, the scales and the result equal the separate path
+    (`quant_per_token_int8` + `moe_stage2_w4a8_pq`) bit for bit, one launch fewer."""
+    b, n = kd.grid(kd.each("NB"), kd.tile("H", "BLOCK_N", domain=AQ_N_BLOCKS, default=64))
+    e, rows, tid = _block_rows(sorted_ids, block_expert, b)
+    valid = tid < kd.dim("T")
+
+    def amax_body(t, a):
+        return kd.maximum(a, kd.max(inter_amax.load(rows, t, mask=valid), axis=t))
+
+    amax = kd.fold(kd.tiles("NT", block=AMAX_TILE, label="t"), kd.zeros((rows,), kd.f32), amax_body)
+    a_s = kd.maximum(amax, MIN_ABSMAX) / 127.0
+    d, r = _row_divider(a_s)
+    how = _unpack()
+    wr = _w_rows(0)
+
+    def body(k, acc):
+        y = kd.minimum(kd.maximum(_div_rn(inter.load(rows, k, mask=valid).to(kd.f32), d, r), -127.0), 127.0)
+        return acc + _wdot(_int8_code(y), w2.load(e, n, k, unpack=how), wr)
+
+    acc = kd.fold(_k_tiles("I"), kd.zeros((n, rows) if wr else (rows, n), kd.i32), body)
+    _s2_epilogue(acc * a_s * s2[e, n], tid, valid, n, topk_w, out, partial)
 
 
 @kd.kernel(static=("TOPK",), example={**S2_EXAMPLE, "NT": KIMI["I"] // 64})
@@ -1476,16 +1543,51 @@ def shared_expert_ref(x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor,
     return (h @ d.t()).float()
 
 
-STAGE2_QUANT = ("separate", "fused", "stage1")
+STAGE2_QUANT = ("amax", "separate", "fused", "stage1")
 
 
-def stage2_quant_mode(config: dict | None, E: int, H: int, I: int, top_k: int, M: int) -> str:
-    """How W4A8 stage 2 gets its int8 A operand: `config["stage2_quant"]` when given, else
-    "separate" (quant_per_token_int8 + moe_stage2_w4a8_pq; see the module docstring)."""
-    mode = (config or {}).get("stage2_quant") or "separate"
+def stage2_quant_mode(config: dict | None, E: int, H: int, I: int, top_k: int, M: int, arch: str | None = None) -> str:
+    """How W4A8 stage 2 gets its int8 A operand: `config["stage2_quant"]` when given, else the
+    faster by the tuned files of `arch` (default: the current target) of "amax" and "separate"
+    (`amax_pays`), which give the same bits; "separate" where a file is missing (the interpreter)."""
+    mode = (config or {}).get("stage2_quant")
+    if not mode:
+        from kdsl.targets import current_target
+
+        return "amax" if amax_pays(arch or current_target().name, E, H, I, top_k, M) else "separate"
     if mode not in STAGE2_QUANT:
         raise ValueError(f"fused_experts: config stage2_quant must be one of {STAGE2_QUANT}, got {mode!r}")
     return mode
+
+
+@functools.lru_cache(maxsize=None)
+def _amax_pays(arch: str, E: int, H: int, I: int, top_k: int, bucket: int) -> bool:
+    from autotune.costmodel import launch_gap_us
+    from autotune.store import lookup_config, lookup_figures
+    from ops.quant import quant_per_token_int8
+
+    p1, p2 = {"E": E, "K": H, "I": I, "TOPK": top_k}, {"E": E, "H": H, "I": I, "TOPK": top_k}
+    bm = int(lookup_config(moe_stage1_w4a8, arch, p1, bucket).get("BLOCK_M", 16))
+    rows = aligned_blocks(bucket * top_k, E, bm) * bm
+    figs = [lookup_figures(k, arch, p, m) for k, p, m in (
+        (moe_stage1_w4a8_amax, p1, bucket), (moe_stage2_w4a8_aq, p2, bucket),
+        (moe_stage1_w4a8, p1, bucket), (quant_per_token_int8, {"K": I}, rows), (moe_stage2_w4a8_pq, p2, bucket))]
+    if any(f is None or "predicted_us" not in f for f in figs):
+        return False
+    us = [float(f["predicted_us"]) for f in figs]
+    return us[0] + us[1] < us[2] + us[3] + us[4] + launch_gap_us(arch)
+
+
+def amax_pays(arch: str, E: int, H: int, I: int, top_k: int, M: int) -> bool:
+    """Whether stage2_quant "amax" (moe_stage1_w4a8_amax + moe_stage2_w4a8_aq: the per-row quant
+    formed in stage 2 from stage 1's tile maxima) is predicted faster on `arch` at M tokens than
+    "separate" (moe_stage1_w4a8 + quant_per_token_int8 + moe_stage2_w4a8_pq) with its extra
+    launch's gap: the times recorded in the tuned files of the M bucket. Its extra quant VALU in
+    every stage-2 program hides under the weight stream on gfx942 but not on gfx950 above M=1
+    (its faster HBM leaves less VALU time per byte). A host lookup, cached."""
+    from autotune.buckets import bucket_for, bucket_m
+
+    return _amax_pays(arch, E, H, I, top_k, bucket_m(bucket_for(max(M, 1))))
 
 
 def _stage_configs(config: dict | None, fmt: str, E: int, H: int, I: int, top_k: int, M: int,
@@ -1495,10 +1597,8 @@ def _stage_configs(config: dict | None, fmt: str, E: int, H: int, I: int, top_k:
     and, for the float-accumulating formats (bf16, W4A16), every numerics key from the M=1 entry;
     W4A8 stages accumulate exactly in i32, so they keep their per-bucket tiles."""
     k1, k2 = STAGE1[fmt], STAGE2[fmt]
-    if fmt == "w4a8" and (config or {}).get("stage2_quant", "separate") == "separate":
-        k2 = moe_stage2_w4a8_pq
-    if fmt == "w4a8" and (config or {}).get("stage2_quant") == "stage1":
-        k1, k2 = moe_stage1_w4a8_q, moe_stage2_w4a8_gq
+    if fmt == "w4a8":
+        k1, k2 = W4A8_STAGES[stage2_quant_mode(config, E, H, I, top_k, M)]
     p1, p2 = {"E": E, "K": H, "I": I, "TOPK": top_k}, {"E": E, "H": H, "I": I, "TOPK": top_k}
     pick = invariant_config if invariant else config_for
     c1 = dict((config or {}).get("stage1") or pick(k1, p1, M, None))
@@ -1606,6 +1706,9 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEW
     if gq:  # stage 1 writes the int8 intermediate and its group scales: no quant launch between
         inter_s = torch.empty(S, I // c1["BLOCK_N"], dtype=torch.float32, device=x.device)
         moe_stage1_w4a8_q(x8, xs, w.w13, w.s13, sorted_ids, bexp, inter, inter_s, top_k, config=c1)
+    elif sq == "amax":  # stage 1 also writes each (row, BLOCK_N tile)'s absmax; only valid rows' are read
+        inter_amax = torch.empty(S, -(-I // c1.get("BLOCK_N", 64)), dtype=torch.float32, device=x.device)
+        moe_stage1_w4a8_amax(x8, xs, w.w13, w.s13, sorted_ids, bexp, inter, inter_amax, top_k, config=c1)
     elif w.fmt == "w4a8":
         moe_stage1_w4a8(x8, xs, w.w13, w.s13, sorted_ids, bexp, inter, top_k, config=c1)
     elif w.fmt == "w4a16":
@@ -1620,6 +1723,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: MoEW
     tw = wts.reshape(-1) if wts.dtype == torch.float32 and wts.is_contiguous() else wts.reshape(-1).float().contiguous()
     if gq:
         moe_stage2_w4a8_gq(inter, inter_s, w.w2, w.s2, sorted_ids, bexp, tw, out, part, top_k, config=c2)
+    elif sq == "amax":
+        moe_stage2_w4a8_aq(inter, inter_amax, w.w2, w.s2, sorted_ids, bexp, tw, out, part, top_k, config=c2)
     elif sq == "separate":
         from ops.quant import quant_per_token_int8
 
@@ -1673,6 +1778,9 @@ def _gq_group(config: dict | None, E: int, H: int, I: int, top_k: int, M: int) -
 
 STAGE1 = {"w4a8": moe_stage1_w4a8, "w4a16": moe_stage1_w4a16, "bf16": moe_stage1_bf16}
 STAGE2 = {"w4a8": moe_stage2_w4a8, "w4a16": moe_stage2_w4a16, "bf16": moe_stage2_bf16}
+# W4A8 (stage 1, stage 2) kernels per stage2_quant mode
+W4A8_STAGES = {"amax": (moe_stage1_w4a8_amax, moe_stage2_w4a8_aq), "separate": (moe_stage1_w4a8, moe_stage2_w4a8_pq),
+               "fused": (moe_stage1_w4a8, moe_stage2_w4a8), "stage1": (moe_stage1_w4a8_q, moe_stage2_w4a8_gq)}
 
 
 def fused_moe(hidden: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, experts: MoEWeights,
@@ -1682,8 +1790,10 @@ def fused_moe(hidden: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, 
     """One MoE layer: bf16 [M, H] -> bf16 [M, H] = routed experts + shared expert.
 
     `config` may hold per-kernel configs under "gate", "route", "stage1", "stage2", "quant" (BLOCK_M of stage 1 is
-    used by both stages; missing ones come from the tuned files) and, for W4A8, "stage2_quant":
-    "separate" (default: quant_per_token_int8 on the intermediate, then moe_stage2_w4a8_pq) or
+    used by both stages; missing ones come from the tuned files) and, for W4A8, "stage2_quant"
+    (default: the faster of "amax" and "separate" by the tuned files, `stage2_quant_mode`):
+    "amax" (stage 1 stores tile absmaxes, moe_stage2_w4a8_aq quantizes per row from them),
+    "separate" (quant_per_token_int8 on the intermediate, then moe_stage2_w4a8_pq) or
     "fused" (moe_stage2_w4a8 quantizes its A tiles itself) or "stage1" (stage 1 emits int8 with a
     scale per (row, stage-1 BLOCK_N group); reference `experts_ref_gq`). `cfg.scoring_func` "sigmoid" or
     "softmax" is honoured by both backends. `invariant` (default): a token's output does not depend

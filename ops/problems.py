@@ -120,6 +120,36 @@ def _moe_q(stage: int) -> tuple[Callable, Callable]:
     return nbytes, flops
 
 
+AMAX_COLS = 64  # nominal stage-1 BLOCK_N of the tile maxima (stage 2's config does not hold it)
+
+
+def _amax_tiles(p: Problem, block_n: int | None = None) -> int:
+    """NT of stage2_quant 'amax': stage-1 column tiles per row, cdiv(I, BLOCK_N)."""
+    return int(p["NT"]) if block_n is None and "NT" in p else -(-p["I"] // (block_n or AMAX_COLS))
+
+
+def _moe_stage1a_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    """moe_stage1_w4a8_amax: the stage-1 dims and NT = cdiv(I, BLOCK_N) tile maxima per row."""
+    return {**_moe_stage1_derived(p, m, c), "NT": _amax_tiles(p, int(c.get("BLOCK_N", 64)))}
+
+
+def _moe_stage2a_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    """moe_stage2_w4a8_aq: the stage-2 dims and NT, the stage-1 tile maxima per row."""
+    return {**_moe_stage2_derived(p, m, c), "NT": _amax_tiles(p)}
+
+
+def _moe_amax(stage: int) -> tuple[Callable, Callable]:
+    """(bytes, flops) of the W4A8 stages of stage2_quant 'amax': the bf16 intermediate, plus NT f32
+    tile maxima per routed row (stage 1 writes them; stage 2 reads them instead of one scale)."""
+    nbytes0, flops = _moe(stage, 0.5, 1 if stage == 1 else 2, False)
+
+    def nbytes(p: Problem, m: int) -> float:
+        t = routed_rows(p, m)
+        return nbytes0(p, m) + 4 * t * (_amax_tiles(p) - (0 if stage == 1 else 1))
+
+    return nbytes, flops
+
+
 def _moe(stage: int, wbytes: float, abytes: float, group_scales: bool) -> tuple[Callable, Callable]:
     """(bytes, flops) of one MoE stage: touched experts' weights and scales, activations in, the
     bf16 intermediate (stage 1) or the f32 [M, H] output (stage 2); rows and flops are the routed
@@ -224,6 +254,10 @@ MODELS: list[ProblemModel] = [
                  flops_fn=_moe_q(1)[1], derived=_moe_stage1q_derived),
     ProblemModel("moe_stage2_w4a8_gq", ("E", "H", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe_q(2)[0],
                  flops_fn=_moe_q(2)[1], derived=_moe_stage2gq_derived, m_of=_moe_stage2_m, loop_dim="I"),
+    ProblemModel("moe_stage1_w4a8_amax", ("E", "K", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe_amax(1)[0],
+                 flops_fn=_moe_amax(1)[1], derived=_moe_stage1a_derived),
+    ProblemModel("moe_stage2_w4a8_aq", ("E", "H", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe_amax(2)[0],
+                 flops_fn=_moe_amax(2)[1], derived=_moe_stage2a_derived, m_of=_moe_stage2_m, loop_dim="I"),
     ProblemModel("moe_stage1_w4a16", ("E", "K", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(1, 0.5, 2, True)[0],
                  flops_fn=_moe(1, 0.5, 2, True)[1], derived=_moe_stage1_derived, shared_numerics=True),
     ProblemModel("moe_stage1_bf16", ("E", "K", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(1, 2, 2, False)[0],

@@ -29,6 +29,14 @@ def _round_rne(y):
     return (y + ROUND_MAGIC) - ROUND_MAGIC
 
 
+def _int8_code(y):
+    """The int8 of `_round_rne(y)` for y in [-127, 127] (clamped first), in fewer VALU: y + 1.5*2^23
+    is 1.5*2^23 + rne(y) exactly (ulp 1 there), whose f32 bits are 0x4B400000 + rne(y), so the low
+    byte is rne(y) as int8 (one add, no subtract and no float->int conversion). A NaN y gives 0, as
+    the float->int conversion of NaN does."""
+    return kd.bitcast(y + ROUND_MAGIC, kd.i32).to(kd.i8)
+
+
 def _row_absmax(x, m):
     """max |x[m, :]| over K. Each lane keeps its own running max over the K tiles and the row is
     reduced across lanes once at the end (max is exact in any order): a reduction per tile would

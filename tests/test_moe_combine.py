@@ -362,3 +362,68 @@ def test_align_takes_one_launch_up_to_its_row_limit(monkeypatch):
     assert [r.kernel.name for r in rec.launches] == ["moe_align_blocks", "moe_align_scatter"]
     two = moe.moe_align(ids, 16, 16)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+@pytest.mark.parametrize("M,H,I,K,E,bn1,bad", [(3, 64, 64, 4, 16, 32, (-1, 16)), (1, 48, 40, 8, 12, 32, ()),
+                                                (5, 32, 96, 3, 8, 64, (10**6, -2**31))])
+def test_amax_stages_equal_separate_quant_path(M, H, I, K, E, bn1, bad):
+    """stage2_quant 'amax': stage 1 stores each (valid row, BLOCK_N tile)'s absmax of the bf16 it
+    stores; stage 2 forms the row scale from them and quantizes its A tiles with ops.quant's exact
+    division: the partial rows equal quant_per_token_int8 + moe_stage2_w4a8_pq's bit for bit. The
+    intermediate and the tile maxima are NaN-poisoned views of bigger buffers (padding rows and
+    guards never written, never read), ids outside [0, E) name no row; I = 40 leaves a part tile."""
+    from ops.quant import quant_per_token_int8, quantize_int8
+
+    W = make_weights("w4a8", E, H, I, seed=M + I)
+    g = torch.Generator().manual_seed(70 + M)
+    x = (torch.randn(M, H, generator=g) * 3).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(torch.int32)
+    for n, b in enumerate(bad):
+        ids[n % M, (n * 2 + 1) % K] = b
+    tw = torch.rand(M * K, generator=g)
+    sid, bexp = moe.moe_align(ids, E, 16, check=False)
+    S, T, NT = sid.numel(), M * K, -(-I // bn1)
+    valid = sid < T
+    assert (~valid).any()                               # there are padding rows
+    x8, xs = quantize_int8(x)
+    c1, c2 = dict(BLOCK_N=bn1, BLOCK_K=64, BLOCK_M=16), dict(BLOCK_N=32, BLOCK_K=32, BLOCK_M=16, REDUCE="partial")
+    nan = float("nan")
+    inter, ibuf = _guarded(torch.full((S, I), nan, dtype=torch.bfloat16), nan)
+    amax, abuf = _guarded(torch.full((S, NT), nan), nan)
+    moe.moe_stage1_w4a8_amax(x8, xs, W.w13, W.s13, sid, bexp, inter, amax, K, config=c1)
+    ref_inter = torch.full((S, I), nan, dtype=torch.bfloat16)
+    moe.moe_stage1_w4a8(x8, xs, W.w13, W.s13, sid, bexp, ref_inter, K, config=c1)
+    assert torch.equal(inter[valid], ref_inter[valid]) and inter[~valid].isnan().all()
+    tiles = torch.nn.functional.pad(inter[valid].float().abs(), (0, NT * bn1 - I)).view(-1, NT, bn1).amax(-1)
+    assert torch.equal(amax[valid], tiles) and amax[~valid].isnan().all()
+    for buf, n in ((ibuf, S), (abuf, S)):
+        assert torch.cat([buf[:GUARD], buf[GUARD + n:]]).float().isnan().all()
+    out0 = torch.zeros(0, H)
+    part, pbuf = _guarded(poisoned((T, H), torch.float32), nan)
+    moe.moe_stage2_w4a8_aq(inter, amax, W.w2, W.s2, sid, bexp, tw, out0, part, K, config=c2)
+    i8, i8s = torch.empty(S, I, dtype=torch.int8), torch.empty(S)
+    quant_per_token_int8(ref_inter, i8, i8s, config=FAST["quant"])
+    ref = poisoned((T, H), torch.float32)
+    moe.moe_stage2_w4a8_pq(i8, i8s, W.w2, W.s2, sid, bexp, tw, out0, ref, K, config=c2)
+    ok = ((ids >= 0) & (ids < E)).reshape(-1)
+    assert torch.equal(part[ok], ref[ok]) and not part[ok].isnan().any()
+    assert part[~ok].isnan().all() and torch.cat([pbuf[:GUARD], pbuf[GUARD + T:]]).isnan().all()
+    sep = moe.fused_experts(x, ids, tw.view(M, K), W, config={**FAST, "stage2_quant": "separate"}, check_ids=False,
+                            partials=True)
+    amx = moe.fused_experts(x, ids, tw.view(M, K), W, config={**FAST, "stage2_quant": "amax"}, check_ids=False,
+                            partials=True)
+    assert torch.equal(amx[ok], sep[ok])
+
+
+def test_stage2_quant_mode_choice():
+    """An explicit mode wins (an unknown one is refused); by default the tuned files' faster of
+    "amax" and "separate" (the same bits), "separate" where no file says (the interpreter); the
+    choice follows the files' recorded times and the launch gap."""
+    kimi = (384, 7168, 2048, 8)
+    assert moe.stage2_quant_mode({"stage2_quant": "fused"}, *kimi, 1) == "fused"
+    with pytest.raises(ValueError, match="stage2_quant"):
+        moe.stage2_quant_mode({"stage2_quant": "nope"}, *kimi, 1)
+    assert moe.stage2_quant_mode(None, *kimi, 1, arch="interpret") == "separate"
+    assert moe.stage2_quant_mode(None, *kimi, 10**6, arch="gfx942") == "separate"   # no tuned bucket that large
+    for m in (1, 4):                                         # the committed files: decode and verify on gfx942
+        assert moe.stage2_quant_mode(None, *kimi, m, arch="gfx942") == "amax"
