@@ -95,7 +95,6 @@ Weight formats (`MoEWeights.fmt`):
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -1560,7 +1559,6 @@ def stage2_quant_mode(config: dict | None, E: int, H: int, I: int, top_k: int, M
     return mode
 
 
-@functools.lru_cache(maxsize=None)
 def _amax_pays(arch: str, E: int, H: int, I: int, top_k: int, bucket: int) -> bool:
     from autotune.costmodel import launch_gap_us
     from autotune.store import lookup_config, lookup_figures
@@ -1584,7 +1582,7 @@ def amax_pays(arch: str, E: int, H: int, I: int, top_k: int, M: int) -> bool:
     "separate" (moe_stage1_w4a8 + quant_per_token_int8 + moe_stage2_w4a8_pq) with its extra
     launch's gap: the times recorded in the tuned files of the M bucket. Its extra quant VALU in
     every stage-2 program hides under the weight stream on gfx942 but not on gfx950 above M=1
-    (its faster HBM leaves less VALU time per byte). A host lookup, cached."""
+    (its faster HBM leaves less VALU time per byte). A host lookup of cached files, no launch."""
     from autotune.buckets import bucket_for, bucket_m
 
     return _amax_pays(arch, E, H, I, top_k, bucket_m(bucket_for(max(M, 1))))

@@ -323,7 +323,7 @@ KIMI_STAGE2 = {"E": 384, "H": 7168, "I": 2048, "TOPK": 8}
 
 @pytest.mark.aot
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
-@pytest.mark.parametrize("stage", [1, 2, 3])  # 3 = stage 2 on a pre-quantized intermediate
+@pytest.mark.parametrize("stage", [1, 2, 3, 4, 5])  # 3: stage 2 on a pre-quantized intermediate; 4, 5: "amax"
 @pytest.mark.parametrize("M", [1, 4])
 def test_aot_w4a8_stages(arch, stage, M):
     from autotune import lookup_config
@@ -331,9 +331,10 @@ def test_aot_w4a8_stages(arch, stage, M):
 
     from autotune.problems import full_dims
 
-    k = {1: moe.moe_stage1_w4a8, 2: moe.moe_stage2_w4a8, 3: moe.moe_stage2_w4a8_pq}[stage]
-    key = KIMI_STAGE1 if stage == 1 else KIMI_STAGE2
-    # the default pipeline's kernels (stage 1, pre-quantized stage 2) must have tuned files
+    k = {1: moe.moe_stage1_w4a8, 2: moe.moe_stage2_w4a8, 3: moe.moe_stage2_w4a8_pq, 4: moe.moe_stage1_w4a8_amax,
+         5: moe.moe_stage2_w4a8_aq}[stage]
+    key = KIMI_STAGE1 if stage in (1, 4) else KIMI_STAGE2
+    # the default pipelines' kernels ("separate", "amax") must have tuned files
     cfg = lookup_config(k, arch, key, M, strict=stage != 2)
     prob = full_dims(k, key, M, cfg)  # the launch dims fused_experts uses (worst-case aligned blocks)
     r = aot.check(k, arch, cfg, prob)
