@@ -186,8 +186,10 @@ def _routing(real_rows: bool = True, seed: int = 6):
     return sid_clean, bexp_clean, sid_bad, bexp_bad, used
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "w4a8"])
+@pytest.mark.parametrize("fmt", ["bf16", "w4a8", "w4a8_amax"])
 def test_moe_stage1_bad_expert_and_token_ids(fmt: str) -> None:
+    amax = fmt == "w4a8_amax"              # moe_stage1_w4a8_amax: its tile maxima too (NT = I / 32)
+    fmt = "w4a8" if amax else fmt
     W = make_weights(fmt, E, H, I)
     g = torch.Generator().manual_seed(7)
     sid, bexp, sid_bad, bexp_bad, used = _routing()
@@ -204,6 +206,10 @@ def test_moe_stage1_bad_expert_and_token_ids(fmt: str) -> None:
         xs, xsbuf = guarded(torch.rand(M, generator=g) + 0.5)
         args = lambda s, b, out: (x, xs, w13, s13, s, b, out, TOPK)  # noqa: E731
         kern, cfg = moe.moe_stage1_w4a8, {"BLOCK_N": 32, "BLOCK_K": 64}
+    if amax:
+        am_clean, am = torch.zeros(S, I // 32), guarded(torch.zeros(S, I // 32))
+        args = lambda s, b, out: (x, xs, w13, s13, s, b, out, am_clean if out is clean else am[0], TOPK)  # noqa: E731
+        kern = moe.moe_stage1_w4a8_amax
     clean = torch.zeros(S, I, dtype=torch.bfloat16)
     kern(*args(sid, bexp, clean), config=cfg)
     inter, ibuf = guarded(torch.zeros(S, I, dtype=torch.bfloat16))
@@ -214,6 +220,8 @@ def test_moe_stage1_bad_expert_and_token_ids(fmt: str) -> None:
     good[used:used + len(BAD_IDS)] = False
     good[-2 * BM:] = False
     assert torch.equal(inter[good], clean[good])
+    if amax:
+        assert guards_intact(am[1], S) and am[0].isfinite().all() and torch.equal(am[0][good], am_clean[good])
 
 
 @pytest.mark.parametrize("reduce", ["atomic", "partial"])
@@ -280,3 +288,28 @@ def test_taint_through_arithmetic_only() -> None:
     for n, i in enumerate(idx.tolist()):
         r = i * 2 + 1
         torch.testing.assert_close(out[n], (src[r] if 0 <= r < 5 else 0) + src[n])
+
+
+def test_moe_stage2_w4a8_aq_bad_expert_and_token_ids() -> None:
+    """moe_stage2_w4a8_aq (stage2_quant "amax") on the corrupted routing: its tile-maxima loads and
+    everything else stay inside the views; the good rows are the clean run's, bit for bit."""
+    W = make_weights("w4a8", E, H, I)
+    g = torch.Generator().manual_seed(9)
+    sid, bexp, sid_bad, bexp_bad, used = _routing(real_rows=False)
+    S, T = sid.numel(), M * TOPK
+    inter, ibuf = guarded(torch.randn(S, I, generator=g).bfloat16())
+    am, abuf = guarded(inter.float().abs().view(S, I // 32, 32).amax(-1))
+    w2, wbuf = guarded(W.w2, 0x77777777)
+    tw, twbuf = guarded(torch.rand(T, generator=g))
+
+    def run(s, b):
+        part, pbuf = guarded(torch.zeros(T, H))
+        moe.moe_stage2_w4a8_aq(inter, am, w2, W.s2, s, b, tw, torch.zeros(0, H), part, TOPK,
+                               config={"BLOCK_N": 64, "BLOCK_K": 32, "REDUCE": "partial"})
+        assert guards_intact(pbuf, T)
+        return part
+
+    clean, bad = run(sid, bexp), run(sid_bad, bexp_bad)
+    assert guards_intact(ibuf, S) and guards_intact(abuf, S) and guards_intact(wbuf, E, 0x77777777)
+    assert guards_intact(twbuf, T) and bad.isfinite().all()
+    torch.testing.assert_close(bad, clean, atol=0, rtol=0)

@@ -228,6 +228,13 @@ def test_tune_writes_only_where_asked(tmp_path, capsys):
 
 # ---- the step recorded from the real forward on meta tensors
 
+def _w4a8_stage1(arch: str, E: int, I: int, m: int) -> str:
+    """The W4A8 stage-1 kernel fused_experts launches there (its stage2_quant mode, from the tuned files)."""
+    from ops import moe
+
+    return moe.W4A8_STAGES[moe.stage2_quant_mode(None, E, 7168, I, 8, m, arch)][0].name
+
+
 def test_meta_forward_records_the_step():
     from bench.meta_model import HostShadowMode, build_model
     from bench.step import launch_layers, load_model_config, record_step
@@ -238,7 +245,8 @@ def test_meta_forward_records_the_step():
     model = build_model(cfg, "w4a8", mode)
     rec = record_step(cfg, "w4a8", "gfx942", 1, 8192, 1, model, mode)
     names = [r.kernel.name for r in rec.launches]
-    assert names.count("mla_decode_split") == 2 and names.count("moe_stage1_w4a8") == 1
+    s1 = _w4a8_stage1("gfx942", 384, 2048, 1)          # the stage2_quant mode's stage 1 (tuned files' choice)
+    assert names.count("mla_decode_split") == 2 and names.count(s1) == 1
     # the router rows ride the shared expert's split-K gate|up GEMM: no gate GEMM of its own
     assert "moe_gate_gemm" not in names
     both = [r.dims["N"] for r in rec.launches if r.kernel.name == "gemm_bf16_splitk" and r.dims["K"] == 7168]
@@ -286,7 +294,7 @@ def test_tp_step_is_rank0_of_the_parallel_model():
         fused = "moe_route_align_local" if moe == "ep" else "moe_route_align"  # one token: route + align, one launch
         route = by[fused]
         assert route[0]["E"] == 384                           # the router stays replicated
-        s1 = by["moe_stage1_w4a8"][0]
+        s1 = by[_w4a8_stage1("gfx942", want["E"], want["I"], 1)][0]
         assert (s1["E"], s1["I"]) == (want["E"], want["I"])
         assert by["gemm_bf16"][-1]["N"] == 163840 // 8        # vocab-parallel lm_head
         kinds = [(c.kind, c.layer) for c in rec.mode.collectives]
@@ -340,9 +348,10 @@ def test_bench_step_json_and_plot(monkeypatch, capsys, tmp_path):
         assert s["kdsl_launches"] > 61 * 10 and s["torch_launches"] > 0
         assert s["predicted_us"] > s["floor_us"] > 0 and s["gaps_us"] == pytest.approx(2.0 * s["launches"], rel=0.02)
         # W4A8 MoE layer: norm+quant, shared gate|up + router GEMM, route+align (one launch up to 4
-        # tokens), stage 1, quant, stage 2, shared down, combine+norm, and the 6 MLA launches; the only
-        # MoE layer of this record also holds the dense layer's closing rmsnorm_add: 14 + 1
-        assert s["launches_per_layer"]["moe"]["kdsl"] == 15 and len(s["top"]) == 10
+        # tokens), stage 1, quant (not with stage2_quant "amax", the tuned files' choice on gfx942 at
+        # q_len 1 and 4), stage 2, shared down, combine+norm, and the 6 MLA launches; the only
+        # MoE layer of this record also holds the dense layer's closing rmsnorm_add: 13 + 1
+        assert s["launches_per_layer"]["moe"]["kdsl"] == 14 and len(s["top"]) == 10
         assert all(f["why"] in ("fallback", "no lookup") for f in s["fallbacks"])
         # the MoE half looks up and finds tuned configs for every launch (align kernels included)
         assert not {"moe_align_one", "moe_combine_norm", "rmsnorm_add_quant",
@@ -364,7 +373,8 @@ def test_tune_model_dry_run_lists_the_step_problems(capsys):
     # partials summed by the residual norm (the tuned split count in the key)
     for want in ("gemm_bf16_splitk N=4480,K=7168", "gemm_bf16_swiglu N=7168,I=2048,S=4", "gemm_bf16_splitk N=2112,K=7168",
                  "gemm_bf16_rmsnorm N=2112,K=7168", "gemm_bf16_splitk N=7168,K=8192",
-                 "mla_decode_split QL=1,H=64,DL=512,DR=64,PS=64", "moe_stage1_w4a8 E=384,K=7168,I=2048,TOPK=8",
+                 "mla_decode_split QL=1,H=64,DL=512,DR=64,PS=64",
+                 f"{_w4a8_stage1('gfx942', 384, 2048, 1)} E=384,K=7168,I=2048,TOPK=8",
                  "rmsnorm_add_quant_splitk D=7168,S=4", "gemm_bf16_swiglu_combine N=7168,I=2048,S=4,TOPK=8",
                  "moe_combine_norm D=7168,TOPK=8",
                  "moe_route_align E=384,TOPK=8,NG=1,EA=384,BM=16", "gemm_bf16 N=163840,K=7168"):
@@ -380,10 +390,11 @@ def test_ep_tuning_scores_the_ranks_share(capsys, tmp_path):
     from autotune.store import file_name
     from ops import moe
 
+    s1 = _w4a8_stage1("gfx942", 48, 2048, 1)
     assert main(["tune-model", "--config", "kimi-k2.5", "--arch", "gfx942", "--tp", "8", "--moe-parallel", "ep",
-                 "--dry-run", "--q-lens", "1", "--only", "moe_stage1_w4a8,moe_route_align_local"]) == 0
+                 "--dry-run", "--q-lens", "1", "--only", f"{s1},moe_route_align_local"]) == 0
     out = capsys.readouterr().out
-    assert "moe_stage1_w4a8 E=48,K=7168,I=2048,TOPK=8,EALL=384" in out and "moe_route_align_local E=384,TOPK=8,NG=1,EA=48,BM=16,EALL=384\n" in out
+    assert f"{s1} E=48,K=7168,I=2048,TOPK=8,EALL=384" in out and "moe_route_align_local E=384,TOPK=8,NG=1,EA=48,BM=16,EALL=384\n" in out
     prob = {"E": 48, "K": 7168, "I": 2048, "TOPK": 8}
     assert file_name(moe.moe_stage1_w4a8, {**prob, "EALL": 384}) == file_name(moe.moe_stage1_w4a8, prob)
     rows = {}
