@@ -39,20 +39,9 @@ def _split_rows(part, rows, cols):
     return total.to(kd.bf16).to(kd.f32)
 
 
-@kd.kernel(name="gemm_bf16_swiglu", static=("S",), example=EXAMPLE,
-           checks=[("N2", lambda d: d["N2"] == 2 * d["I"], "part must be [S, M, 2*I] (gate columns then up)")])
-def gemm_bf16_swiglu_kernel(part: kd.In["S", "M", "N2", kd.f32], w: kd.In["N", "I", kd.bf16],
-                            out: kd.Out["M", "N", kd.bf16]):
-    """out = bf16(silu(gate) * up) @ w^T with gate | up = the split-K rows of `part` as
-    ops.gemm.splitk_rows reads them (added in split order, rounded to bf16; S static): the partials are
-    re-added per A tile, so a program reads S x 2 x its rows' K tile (L2-resident after the first
-    N tile has read them). That elementwise prologue (the kernel's cost at decode sizes) runs over the
-    BLOCK_M rows of the tile only: a tile under 16 rows (no padding rows at M=2) is placed by kd.pad
-    at its own rows of the aligned 16 of the matrix dot (zeros around it, ops.gemm._mma_rows), so a
-    row's bits do not depend on BLOCK_M (1 to 16: a launch-only key, each M bucket takes its own).
-    The prologue is redone by every program along N: a program may cover N_TILES tiles of BLOCK_N
-    columns, each its own BLOCK_N dot of its one A tile (same bits, launch-only), so decode takes
-    narrow tiles (many programs) and prefill shares the prologue among several."""
+def _swiglu_tiles(part, w):
+    """The program's grid, tiles and f32 accumulators of bf16(silu(gate) * up) @ w^T (shared by both
+    kernels, so the combine variant keeps gemm_bf16_swiglu's bits): (m, mm, small, column spans, accs)."""
     bn = kd.tunable("BLOCK_N", BN_DOMAIN, 64)
     tiles_n = kd.tunable("N_TILES", N_TILES_DOMAIN, 1, "BLOCK_N tiles per program, each its own dot of the "
                          "program's one A tile: the prologue is shared, a tile's bits are not changed (launch-only)")
@@ -69,7 +58,25 @@ def gemm_bf16_swiglu_kernel(part: kd.In["S", "M", "N2", kd.f32], w: kd.In["N", "
 
     ks = kd.tiles("I", block="BLOCK_K", domain=BK_DOMAIN, default=64)
     accs = kd.fold(ks, tuple(kd.zeros((mm, n), kd.f32) for n in ns), body)
-    for acc, n in zip(accs if isinstance(accs, tuple) else (accs,), ns):
+    return m, mm, small, ns, (accs if isinstance(accs, tuple) else (accs,))
+
+
+@kd.kernel(name="gemm_bf16_swiglu", static=("S",), example=EXAMPLE,
+           checks=[("N2", lambda d: d["N2"] == 2 * d["I"], "part must be [S, M, 2*I] (gate columns then up)")])
+def gemm_bf16_swiglu_kernel(part: kd.In["S", "M", "N2", kd.f32], w: kd.In["N", "I", kd.bf16],
+                            out: kd.Out["M", "N", kd.bf16]):
+    """out = bf16(silu(gate) * up) @ w^T with gate | up = the split-K rows of `part` as
+    ops.gemm.splitk_rows reads them (added in split order, rounded to bf16; S static): the partials are
+    re-added per A tile, so a program reads S x 2 x its rows' K tile (L2-resident after the first
+    N tile has read them). That elementwise prologue (the kernel's cost at decode sizes) runs over the
+    BLOCK_M rows of the tile only: a tile under 16 rows (no padding rows at M=2) is placed by kd.pad
+    at its own rows of the aligned 16 of the matrix dot (zeros around it, ops.gemm._mma_rows), so a
+    row's bits do not depend on BLOCK_M (1 to 16: a launch-only key, each M bucket takes its own).
+    The prologue is redone by every program along N: a program may cover N_TILES tiles of BLOCK_N
+    columns, each its own BLOCK_N dot of its one A tile (same bits, launch-only), so decode takes
+    narrow tiles (many programs) and prefill shares the prologue among several."""
+    m, mm, small, ns, accs = _swiglu_tiles(part, w)
+    for acc, n in zip(accs, ns):
         if small:
             kd.store(out, (mm, n), acc, mask=m.start <= mm)
         else:
@@ -115,23 +122,8 @@ def gemm_bf16_swiglu_combine_kernel(part: kd.In["S", "M", "N2", kd.f32], w: kd.I
     ending a MoE layer: with y = the tile of bf16(silu(gate) * up) @ w^T rounded to bf16,
     res <- bf16(bf16(sum_k partial[m*TOPK + k] (ids in [0, E)) + y) + res), rows = res as f32: the
     adds and roundings of ops.moe.moe_combine_add, whose launch it saves."""
-    bn = kd.tunable("BLOCK_N", BN_DOMAIN, 64)
-    tiles_n = kd.tunable("N_TILES", N_TILES_DOMAIN, 1, "BLOCK_N tiles per program, each its own dot of the "
-                         "program's one A tile: the prologue is shared, a tile's bits are not changed (launch-only)")
-    m, nt = kd.grid(kd.tile("M", "BLOCK_M", domain=NORM_BM_DOMAIN, default=16), kd.tile("N", bn * tiles_n))
-    ns = [kd.span(nt.start + j * bn, bn, kd.dim("N"), "N") for j in range(tiles_n)]
-    I = kd.dim("I")
-    small = m.size < MMA_ROWS
-    mm, place = _mma_rows(m) if small else (m, 0)
-
-    def body(k, *accs):
-        a = (kd.silu(_split_rows(part, m, k)) * _split_rows(part, m, k + I)).to(kd.bf16)
-        a = kd.pad(a, m, mm, offset=place) if small else a
-        return tuple(acc + kd.dot(a, w[n, k]) for acc, n in zip(accs, ns))
-
-    ks = kd.tiles("I", block="BLOCK_K", domain=BK_DOMAIN, default=64)
-    accs = kd.fold(ks, tuple(kd.zeros((mm, n), kd.f32) for n in ns), body)
-    for acc, n in zip(accs if isinstance(accs, tuple) else (accs,), ns):
+    m, mm, small, ns, accs = _swiglu_tiles(part, w)
+    for acc, n in zip(accs, ns):
         _combine_into(acc, m, mm, small, n, partial, ids, res, rows)
 
 
