@@ -1,5 +1,9 @@
-"""Shared tiny target + draft for the model / engine tests (written once per session)."""
+"""Shared tiny target + draft for the model / engine tests (written once per session), and the
+interpreter runs that several tests check (computed once per process: each forward of the tiny
+target on the kernels takes tens of seconds on the interpreter)."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
@@ -43,4 +47,33 @@ def tiny_mla_draft(root, target_ck, backend: str = "torch"):
             write_fixture("eagle3-mla", d, seed=2)
         dk = load_draft(d, target_ck.config)
         _CACHE[key] = Eagle3Draft(dk, target_hidden=target_ck.config.hidden_size, backend=backend)
+    return _CACHE[key]
+
+
+def triton_greedy(root, prompt: list[int], steps: int = 3) -> SimpleNamespace:
+    """Greedy decoding of `prompt` by the default triton target of `tiny_pair(root, "triton")`: the
+    prefill and steps - 1 single-token decode steps through `forward`, on a NaN-poisoned cache (every
+    row a step reads must have been written), the expert choices recorded (models.kimi.RoutingTrace).
+    Fields: model, cache, outputs (one TargetOutput per forward), tokens (prompt + the steps greedy
+    tokens), routing (the recorded log, in call order). tests/test_triton_backend.py checks it against
+    the torch backend and against spec decoding, tests/test_mla_fused.py against the unfused MLA ops;
+    read-only for its users."""
+    from models.kimi import RoutingTrace
+
+    key = (str(root), "greedy", tuple(prompt), steps)
+    if key not in _CACHE:
+        m = tiny_pair(root, "triton")[2]
+        rec = RoutingTrace("record")
+        m.routing = rec
+        try:
+            c = m.new_cache(1, 16)
+            for kv in c.kv:
+                kv.fill_(float("nan"))
+            toks, outs = list(prompt), []
+            for i in range(steps):
+                outs.append(m.forward(c, [(0, toks if i == 0 else [toks[-1]])]))
+                toks.append(int(outs[-1].logits[0][-1].argmax()))
+        finally:
+            m.routing = None
+        _CACHE[key] = SimpleNamespace(model=m, cache=c, outputs=outs, tokens=toks, routing=rec.log)
     return _CACHE[key]

@@ -22,6 +22,15 @@ def poisoned(shape, dtype, device="cpu") -> torch.Tensor:
     return torch.full(shape, -123, dtype=dtype, device=device)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `--dist loadgroup` (scripts/test.sh) the workers take the tests one at a time, in
+    collection order after the xdist groups: the `slow` tests go first, so that no minute-long test
+    starts last while the other worker idles; the fast ones even out the end. Other modes keep the
+    collection order (`--dist load` hands out long runs of consecutive tests at the start)."""
+    if config.getoption("dist", "no") == "loadgroup":
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)   # stable: files stay together
+
+
 def has_gpu() -> bool:
     return torch.cuda.is_available()
 

@@ -277,12 +277,20 @@ def test_model_fused_moe_half_equals_unfused_chain(tmp_path_factory):
     captures are the residual entering each layer, untouched by the in-place norms after them.
     The default model (MoE layers ending with combine_add's work in the shared expert's down GEMM,
     gemm_bf16_swiglu_combine, the next input norm in the q_a|kv_a GEMM's prologue) agrees within the
-    triton-vs-torch tolerances."""
+    triton-vs-torch tolerances.
+    On the 4-layer tiny target (three forwards on the interpreter): the dense layer 0, MoE layers
+    followed by MoE layers (the raw rows into the next q_a|kv_a GEMM) and the last MoE layer before
+    the final norm are all there; each further layer repeats one of these."""
+    from models.fixtures import write_fixture
     from models.kimi import KimiModel
-    from tests._model_fixtures import one_thread, tiny_pair
+    from models.loader import load_target
+    from tests._model_fixtures import one_thread
 
     one_thread()
-    tk, _, _, _ = tiny_pair(tmp_path_factory.getbasetemp() / "combine_fx")
+    root = tmp_path_factory.mktemp("combine_fx")
+    write_fixture("kimi-k25", root, seed=0, layers=4)
+    tk = load_target(root)
+    assert tk.config.num_hidden_layers == 4 and tk.config.first_k_dense_replace == 1
     ids = tuple(i for i in tk.config.capture_layer_ids)
     fused = KimiModel(tk, backend="triton", capture_ids=ids)
     fused.norm_in_gemm = False                               # every MoE layer ends with combine_norm

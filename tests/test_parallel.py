@@ -157,6 +157,7 @@ def test_loader_reads_only_its_shard(pair, world, moe):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("parallel_single_run")     # both worlds on one worker: one single_run
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_give_the_single_process_tokens(pair, single_run, tmp_path, world):
     t, d = pair
@@ -257,6 +258,7 @@ def triton_refs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("parallel_triton")         # on one worker: the w4a8 reference runs once
 @pytest.mark.parametrize("world,moe,kind", [(2, "ep", "kimi-k25"), (4, "ep", "kimi-k25-w4a8"), (2, "tp", "kimi-k25-w4a8")])
 def test_triton_fused_ranks(triton_refs, tmp_path, world, moe, kind):
     """The kdsl kernels (interpreter) under N ranks, the fused MoE layer (local ids from the route

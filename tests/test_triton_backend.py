@@ -16,16 +16,21 @@ import torch
 from models.eagle3 import Eagle3Draft
 from models.kimi import KimiModel
 from models.spec import Engine, SpecParams
-from tests._model_fixtures import one_thread, tiny_pair
+from tests._model_fixtures import one_thread, tiny_pair, triton_greedy
 
-pytestmark = pytest.mark.slow
+# one worker runs this module and tests/test_mla_fused.py's model test (scripts/test.sh: --dist
+# loadgroup): they share tests/_model_fixtures.triton_greedy, computed once per process
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("triton_greedy")]
+
+
+ROOT = "models_fx"       # tiny_pair's directory under the session's base temp (shared with other modules)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     n = one_thread()
-    tk, dk, _, _ = tiny_pair(tmp_path_factory.getbasetemp() / "models_fx")
-    tri = (KimiModel(tk, backend="triton"), Eagle3Draft(dk, target_hidden=tk.config.hidden_size, backend="triton"))
+    tk, dk, _, _ = tiny_pair(tmp_path_factory.getbasetemp() / ROOT)
+    tri = tiny_pair(tmp_path_factory.getbasetemp() / ROOT, "triton")[2:]
     ref = (KimiModel(tk, backend="torch", dtype=torch.bfloat16),
            Eagle3Draft(dk, target_hidden=tk.config.hidden_size, backend="torch", dtype=torch.bfloat16))
     yield tri, ref
@@ -35,24 +40,24 @@ def models(tmp_path_factory):
 PROMPT = [[11, 42, 7, 300, 5]]
 
 
-def test_triton_matches_torch_and_spec_is_lossless(models):
+@pytest.fixture(scope="module")
+def greedy(models, tmp_path_factory):
+    """Prefill + 2 greedy decode steps on the kernels, expert choices recorded (one run per process,
+    shared with tests/test_mla_fused.py: tests/_model_fixtures.triton_greedy)."""
+    return triton_greedy(tmp_path_factory.getbasetemp() / ROOT, PROMPT[0])
+
+
+def test_triton_matches_torch_and_spec_is_lossless(models, greedy):
     from models.kimi import RoutingTrace
 
     (tm, td), (rm, rd) = models
-    # prefill + 2 greedy decode steps on the kernels, recording the expert choices; the torch side
-    # replays them (REFERENCE §1: a bf16 routing margin flip changes logits by whole units)
-    rec = RoutingTrace("record")
-    tm.routing = rec
-    ct, cr = tm.new_cache(1, 16), rm.new_cache(1, 16)
-    toks = list(PROMPT[0])
-    steps_t, steps_r = [], []
-    for _ in range(3):
-        new = toks if not steps_t else [toks[-1]]
-        a = tm.forward(ct, [(0, new)])
-        steps_t.append(a)
-        toks.append(int(a.logits[0][-1].argmax()))
-    tm.routing = None
-    rm.routing = RoutingTrace("replay", rec.log)
+    # prefill + 2 greedy decode steps on the kernels (`greedy`), recording the expert choices; the torch
+    # side replays them (REFERENCE §1: a bf16 routing margin flip changes logits by whole units)
+    assert greedy.model is tm
+    steps_t, toks = greedy.outputs, greedy.tokens
+    cr = rm.new_cache(1, 16)
+    steps_r = []
+    rm.routing = RoutingTrace("replay", greedy.routing)
     toks_r = list(PROMPT[0])
     for i in range(3):
         new = toks_r if i == 0 else [toks_r[-1]]
@@ -104,17 +109,11 @@ def test_triton_draft_tree_step_matches_torch(models):
     assert bool(((tri - swapped).abs().amax(-1) > 0.1).all())
 
 
-@pytest.fixture(scope="module")
-def plain_tokens(models):
-    (tm, td), _ = models
-    return Engine(tm, td).generate(PROMPT, 3, "plain").outputs
-
-
 # one case per test so that the suite's workers share them (each is a minute on the interpreter)
 @pytest.mark.parametrize("topk,steps,n", [(2, 3, None), (3, 2, 7), (4, 2, 8)])
-def test_triton_tree_spec_is_lossless(models, plain_tokens, topk, steps, n):
+def test_triton_tree_spec_is_lossless(models, greedy, topk, steps, n):
     """Greedy tree spec decoding (topk 2, 3, 4; draft and verify with tree masks on the kernels) ==
-    plain greedy decoding on the kernels, token for token."""
+    plain greedy decoding on the kernels (`greedy`: prefill + 2 decode steps), token for token."""
     (tm, td), _ = models
     r = Engine(tm, td).generate(PROMPT, 3, "spec", SpecParams(steps=steps, topk=topk, draft_tokens=n))
-    assert r.outputs == plain_tokens, (topk, steps, n)
+    assert r.outputs == [greedy.tokens[len(PROMPT[0]):]], (topk, steps, n)
