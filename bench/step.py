@@ -128,8 +128,41 @@ def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: i
     mode = HostShadowMode()
     model = build_model(cfg, experts, mode, tp, moe_parallel)
     probs = _problems([record_step(cfg, experts, arch, batch, ctx, ql, model, mode) for ql in q_lens], batch)
+    probs = _with_stage2_quant_paths(probs)
     ep = cfg.n_routed_experts if moe_parallel == "ep" and tp > 1 else None
     return [(k, {**p, **ep_share(k, p, ep)}, m) for k, p, m in probs]   # EP: tuned for the rank's share
+
+
+def _with_stage2_quant_paths(probs: list[tuple[Any, dict[str, Any], int]]) -> list[tuple[Any, dict[str, Any], int]]:
+    """`probs` plus the kernels of both W4A8 stage-2 quant paths ("amax" and "separate") at every
+    routed-expert shape one of them launched: which path the model takes is chosen from the tuned
+    files' figures of both (`ops.moe.amax_pays`), so a step recorded on an arch with no files yet
+    (it takes "separate") must still get the amax pair tuned, and the other way round."""
+    from ops.moe import W4A8_STAGES, aligned_blocks
+    from ops.quant import quant_per_token_int8
+
+    paths = (W4A8_STAGES["amax"], W4A8_STAGES["separate"])
+    stage_kernels = {k.name for pair in paths for k in pair}
+    seen = {(k.name, json.dumps(p, sort_keys=True)) for k, p, _ in probs}
+    out = list(probs)
+
+    def add(kern: Any, prob: dict[str, Any], m: int) -> None:
+        key = (kern.name, json.dumps(prob, sort_keys=True))
+        if key not in seen:
+            seen.add(key)
+            out.append((kern, prob, m))
+
+    for kern, prob, m in probs:
+        if kern.name not in stage_kernels:
+            continue
+        E, I, top_k = prob["E"], prob["I"], prob["TOPK"]
+        H = prob.get("K", prob.get("H"))
+        p1, p2 = {"E": E, "K": H, "I": I, "TOPK": top_k}, {"E": E, "H": H, "I": I, "TOPK": top_k}
+        for s1, s2 in paths:
+            add(s1, p1, m)
+            add(s2, p2, m)
+        add(quant_per_token_int8, {"K": I}, aligned_blocks(m * top_k, E, 16) * 16)  # "separate"'s rows at M=m
+    return out
 
 
 def _problems(recs: list[StepRecord], batch: int) -> list[tuple[Any, dict[str, Any], int]]:

@@ -379,6 +379,12 @@ def test_tune_model_dry_run_lists_the_step_problems(capsys):
                  "moe_combine_norm D=7168,TOPK=8",
                  "moe_route_align E=384,TOPK=8,NG=1,EA=384,BM=16", "gemm_bf16 N=163840,K=7168"):
         assert want in out
+    # both W4A8 stage-2 quant paths are tuned, whichever the recorded step took: the model picks the
+    # faster from the files of both (ops.moe.amax_pays), so an arch with no files must get both
+    for want in ("moe_stage1_w4a8_amax E=384,K=7168,I=2048,TOPK=8", "moe_stage2_w4a8_aq E=384,H=7168,I=2048,TOPK=8",
+                 "moe_stage1_w4a8 E=384,K=7168,I=2048,TOPK=8", "moe_stage2_w4a8_pq E=384,H=7168,I=2048,TOPK=8",
+                 "quant_per_token_int8 K=2048"):
+        assert f"  {want}\n" in out
 
 
 def test_ep_tuning_scores_the_ranks_share(capsys, tmp_path):
