@@ -467,6 +467,42 @@ class Emitter:
         else:
             self.w(f"{r.name} = {prod}.to(tl.bfloat16)")
 
+    def op_group_dot(self, n: Node) -> None:
+        """Per scale group one f32 dot of the exact int values, times the group's scale: a batched
+        (groups, rows, cols) tl.dot over the K tile reshaped to (groups, K per group)."""
+        f = n.a
+        r = n.results[0]
+        i, k, j, g = f.i, f.k, f.j, f.g
+        G, KG = g.size, k.size // g.size
+        A, B = self.aligned(f.a, (i, k)), self.aligned(f.b, (j, k))
+        if f.q_is_a:
+            A = self._exact_bf16(A)
+        else:
+            B = self._exact_bf16(B)
+        prec = ""
+        if f.upcast:
+            A, B = f"{self._paren(A)}.to(tl.float32)", f"{self._paren(B)}.to(tl.float32)"
+            prec = ', input_precision="ieee"'
+        a3, b3, p = self.fresh("ga"), self.fresh("gb"), self.fresh("gp")
+        self.w(f"{a3} = tl.permute(tl.reshape({A}, ({i.size}, {G}, {KG})), (1, 0, 2))")
+        self.w(f"{b3} = tl.permute(tl.reshape({B}, ({j.size}, {G}, {KG})), (1, 2, 0))")
+        self.w(f"{p} = tl.dot({a3}, {b3}, out_dtype=tl.float32{prec})")
+        rows = i if f.q_is_a else j
+        s = f"tl.permute(({self.aligned(f.scale, (rows, g))}).to(tl.float32), (1, 0))"
+        s = f"{s}[:, :, None]" if f.q_is_a else f"{s}[:, None, :]"
+        expr = f"{p} * {s}"
+        if f.acc is not None:
+            expr = f"{self.aligned(f.acc, r.axes)} + {expr}"
+        self.w(f"{r.name} = {expr}")
+
+    def _exact_bf16(self, q: str) -> str:
+        """int8 -> bf16 with no rounding: every int8 is exact in bf16, so the f32 value's high half
+        is the bf16 pattern (a bit move; no NaN or rounding logic)."""
+        t = self.fresh("qb")
+        self.w(f"{t} = ({self._paren(q)}.to(tl.float32).to(tl.uint32, bitcast=True) >> 16)"
+               f".to(tl.uint16).to(tl.bfloat16, bitcast=True)")
+        return t
+
     def _int4_bfe(self, r: Value, words: str, waxes: tuple[Axis, ...], pack: T.Int4, signed: bool = False) -> None:
         """Unpack with constant shifts per nibble (AMD: one v_bfe_i32 each), then interleave.
 

@@ -469,6 +469,55 @@ def dequant(q: Value, scale: Value, dtype: T.ElemType = T.bf16) -> Value:
     return out
 
 
+def group_dot(a: Value, b: Value, scale: Value, acc: Value | None = None) -> Value:
+    """Group-scaled matrix product with the scale applied after the dot, per scale group:
+    `out[g, i, j] = acc[g, i, j] + scale[row, g] * sum_{k in group g} a[i, k] * b[j, k]`.
+
+    One of `a`, `b` is an int8 tile (unpacked int4, `q`), the other bf16; `scale` is a bf16 tile
+    over (q's other axis, groups), indexed with `kd.mx_groups(k, KG, group)`. The integer values
+    convert to bf16 exactly (a bit move: no rounding, no multiply per weight) and each group's
+    partial sum is one f32 matrix dot, so a weight costs its unpack and convert only, where
+    `kd.dequant` also multiplies and rounds every weight (`q * s` to bf16: different, coarser
+    numerics). The result keeps the groups as a leading axis (the accumulator's own when `acc` is
+    given): carry it through the K loop and `kd.sum` it over that axis once at the end, so no
+    cross-warp sum runs per K tile. All of a's and b's non-K dims and the group (K tile / groups)
+    must be >= 16 (matrix-core tiles)."""
+    c = ctx()
+    if len(a.axes) != 2 or len(b.axes) != 2:
+        raise c.error(f"group_dot needs two 2-D tiles, got {a!r} and {b!r}")
+    common = [ax for ax in a.axes if ax in b.axes]
+    if len(common) != 1:
+        raise c.error(f"group_dot operands must share exactly one axis to contract, got {a!r} and {b!r}")
+    k = common[0]
+    i = next(ax for ax in a.axes if ax is not k)
+    j = next(ax for ax in b.axes if ax is not k)
+    ints = [v for v in (a, b) if not v.dtype.is_float]
+    if len(ints) != 1 or ints[0].dtype.bits != 8 or any(v.dtype is not T.bf16 for v in (a, b) if v.dtype.is_float):
+        raise c.error(f"group_dot takes one int8 tile and one bf16 tile, got {a!r} and {b!r}")
+    q = ints[0]
+    rows = i if q is a else j
+    if scale.dtype is not T.bf16 or len(scale.axes) != 2 or rows not in scale.axes:
+        raise c.error(f"group_dot: scale must be a 2-D bf16 tile over ({rows}, groups), got {scale!r}")
+    g = next(ax for ax in scale.axes if ax is not rows)
+    if g is k or k.size % g.size:
+        raise c.error(f"group_dot: the k tile ({k.size}) must be a whole number of scale groups ({g.size})")
+    if i.size < 16 or j.size < 16 or k.size // g.size < 16:
+        raise c.error(f"group_dot: tiles must be >= 16 in both dims and per group, got {i.size}x{j.size} "
+                      f"with groups of {k.size // g.size}")
+    gout = g
+    if acc is not None:
+        if len(acc.axes) != 3 or acc.axes[1:] != (i, j) or acc.axes[0].size != g.size or acc.dtype is not T.f32:
+            raise c.error(f"group_dot accumulator must be f32 over (groups of {g.size}, {i}, {j}), got {acc!r}")
+        gout = acc.axes[0]
+    drop = {k, g}
+    masks = frozenset(m for m in a.masks | b.masks | scale.masks if not (set(m.axes) & drop))
+    if acc is not None:
+        masks |= acc.masks
+    out = Value(T.f32, (gout, i, j), masks, hint="acc")
+    c.add("group_dot", [out], a=a, b=b, scale=scale, acc=acc, i=i, k=k, j=j, g=g, q_is_a=q is a)
+    return out
+
+
 def zeros(axes: Sequence[Value | Axis], dtype: T.ElemType) -> Value:
     return full(axes, 0, dtype)
 

@@ -195,6 +195,25 @@ def _dot(n: Any) -> str | None:
     return None
 
 
+def _group_dot(n: Any) -> str | None:
+    f = n.a
+    a, b, sc, acc, r = f.a, f.b, f.scale, f.acc, n.results[0]
+    if len(a.axes) != 2 or len(b.axes) != 2 or f.k not in a.axes or f.k not in b.axes:
+        return f"operands must be 2-D tiles sharing the contracted axis {f.k!r}"
+    q, x = (a, b) if f.q_is_a else (b, a)
+    if q.dtype.is_float or q.dtype.bits != 8 or x.dtype is not T.bf16:
+        return f"the quantized operand must be int8 and the other bf16, got {q.dtype!r} and {x.dtype!r}"
+    if sc.dtype is not T.bf16 or f.g not in sc.axes or (f.i if f.q_is_a else f.j) not in sc.axes:
+        return "scale must be bf16 over (the quantized operand's rows, groups)"
+    if f.k.size % f.g.size:
+        return f"the k tile ({f.k.size}) is not a whole number of groups ({f.g.size})"
+    if r.dtype is not T.f32 or len(r.axes) != 3 or r.axes[1:] != (f.i, f.j) or r.axes[0].size != f.g.size:
+        return f"the result must be f32 over (groups, {f.i}, {f.j}), got {r!r}"
+    if acc is not None and (acc.dtype is not T.f32 or acc.axes != r.axes):
+        return f"accumulator {acc!r} differs from the result {r!r}"
+    return None
+
+
 def _scalar_cond(n: Any) -> str | None:
     return "the condition must be a scalar" if n.a.cond.axes else None
 
@@ -275,6 +294,11 @@ RECORDS: dict[str, OpRecord] = {r.name: r for r in (
           AttrSpec("fb", STR, choices=("e2m1",)), AttrSpec("dtype", DTYPE)), rule=_dot),
     _rec("mx_decode", (OperandSpec("packed", VALUE), OperandSpec("scale", VALUE, optional=True)),
          (AttrSpec("g", AXIS, nullable=True),)),
+    _rec("group_dot", (OperandSpec("a", VALUE), OperandSpec("b", VALUE), OperandSpec("scale", VALUE),
+                       OperandSpec("acc", VALUE, optional=True)),
+         (AttrSpec("i", AXIS), AttrSpec("k", AXIS), AttrSpec("j", AXIS), AttrSpec("g", AXIS),
+          AttrSpec("q_is_a", BOOL), AttrSpec("upcast", BOOL, required=False)),
+         rule=_group_dot, doc="per scale group: f32 dot of the exact int8 values, times the group scale"),
     _rec("dequant", (OperandSpec("q", VALUE), OperandSpec("scale", VALUE)),
          (AttrSpec("g", AXIS), AttrSpec("dtype", DTYPE),
           AttrSpec("lower", STR, required=False, choices=("native", "rne_finite_bits"))),

@@ -91,6 +91,8 @@ def legalize(root: Block, target: Target) -> None:
                 n.a.lower = "rne_fp8_bits"
             else:
                 n.a.lower = "plain"
+        elif n.op == "group_dot":
+            n.a.upcast = interp  # the interpreter multiplies bf16 bit patterns: an f32 dot there (exact)
         elif n.op == "dequant":
             # gfx94x has no f32 -> bf16 convert: round by integer bits (exact products, no NaN guard);
             # the interpreter (which truncates) runs the same bits, so CPU tests cover that lowering
@@ -348,8 +350,8 @@ def run_passes(root: Block, target: Target, dims: dict[str, Any] | None = None,
 # common subexpressions and loop-invariant values
 
 PURE = {"binary", "unary", "minmax", "where", "cast", "bitcast", "reduce", "full", "broadcast", "pad", "iota",
-        "argreduce", "scan", "math_ext", "pow", "fma", "program_id", "sort", "topk", "dot"}
-HOISTABLE = (PURE - {"dot"}) | {"range"}
+        "argreduce", "scan", "math_ext", "pow", "fma", "program_id", "sort", "topk", "dot", "group_dot"}
+HOISTABLE = (PURE - {"dot", "group_dot"}) | {"range"}
 
 
 def _key(x: Any) -> Any:

@@ -38,7 +38,8 @@ Pipeline of `fused_moe` (backend="triton"):
    exit early (kd.exit_if) on unused blocks; at M=1 that is 8 blocks, all used. backend="torch" gives the same arrays with
    bincount/argsort.
 4. Stage 1 (`moe_stage1_{w4a8,w4a16,bf16}`): per block, gate and up GEMMs against the block's expert
-   (int8 x int4 -> i32 MFMA for W4A8; int4 dequantized to bf16 with group-32 scales for W4A16),
+   (int8 x int4 -> i32 MFMA for W4A8; for W4A16 per group-32 an f32 dot of the exact int4 values,
+   times the group's bf16 scale),
    per-token x per-channel scales, SiLU(gate)*up, stored as a **bf16 intermediate** [S, I]. The
    intermediate is not zero-filled: only valid rows are written, and every stage 2 loads it with
    mask = valid row and stores only valid rows, so a padding row's contents never reach an output
@@ -90,7 +91,8 @@ Weight formats (`MoEWeights.fmt`):
 - "w4a8":  w13 int32 [E, 2I, H/8] Quark reorder packing (gate rows then up rows), s13 f32 [E, 2I];
            w2 int32 [E, H, I/8], s2 f32 [E, H] (per-channel; fold a per-tensor scale into these).
 - "w4a16": w13 int32 [E, 2I, H/8] compressed-tensors ("ct") packing, s13 bf16 [E, 2I, H/32];
-           w2 int32 [E, H, I/8], s2 bf16 [E, H, I/32]. Dequant = (q * s) rounded to bf16.
+           w2 int32 [E, H, I/8], s2 bf16 [E, H, I/32]. Weight = q * s (exact; the kernels scale
+           each group's f32 partial dot, no bf16 rounding of q * s).
 - "bf16":  w13 bf16 [E, 2I, H], w2 bf16 [E, H, I].
 """
 from __future__ import annotations
@@ -957,14 +959,22 @@ def moe_stage1_w4a8_acc(x: kd.In["M", "K", kd.i8], w13: kd.In["E", "N2", "K", kd
     acc_u.store(rows, n, value=au, mask=valid)
 
 
-def _dequant_g32(w, s, e, n, k, groups: str):
-    """int4 (ct) x bf16 group-32 scale -> bf16 tile (n, k), rounded like a bf16 dequant. One scale
-    per (row, group) is loaded and broadcast along k in registers (`kd.dequant`; a scale gathered
-    per element cost a load and its address per weight); "sbfe" unpacks each nibble with one signed
-    bit-field extract after one XOR per word (the offset-binary nibbles of "bfe" cost 3 VALU)."""
+def _w4a16_groups(default: int):
+    """The axis of a K tile's scale groups (BLOCK_K / 32 of them): the loop-carried accumulators
+    keep it until one sum after the loop (`kd.group_dot`)."""
+    return kd.span(0, kd.tunable("BLOCK_K", K_BLOCKS, default) // GROUP, label="g")
+
+
+def _w4a16_dot(a, w, s, e, n, k, groups: str, acc, w_rows: int):
+    """acc + the group-scaled dot of a bf16 tile with an int4 (ct) weight tile (n, k) and its bf16
+    group-32 scales: per group an f32 dot of the exact int4 values, times s[n, g] (`kd.group_dot`:
+    no multiply or bf16 rounding per weight). One scale per (row, group) is loaded; "sbfe" unpacks
+    each nibble with one signed bit-field extract after one XOR per word (the offset-binary nibbles
+    of "bfe" cost 3 VALU)."""
     how = kd.tunable("INT4_UNPACK", ("shift", "sbfe"), "shift", "int4 nibble extraction: shifts or signed extracts")
     q = w.load(e, n, k, unpack=how)
-    return kd.dequant(q, s.load(e, n, kd.mx_groups(k, kd.dim(groups), GROUP)))
+    sc = s.load(e, n, kd.mx_groups(k, kd.dim(groups), GROUP))
+    return kd.group_dot(q, a, sc, acc) if w_rows else kd.group_dot(a, q, sc, acc)
 
 
 @kd.kernel(static=("TOPK",), example={**S1_EXAMPLE, "KG": KIMI["H"] // GROUP},
@@ -973,7 +983,8 @@ def moe_stage1_w4a16(x: kd.In["M", "K", kd.bf16], w13: kd.In["E", "N2", "K", kd.
                      s13: kd.In["E", "N2", "KG", kd.bf16],
                      sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32],
                      inter: kd.Out["S", "I", kd.bf16], TOPK: kd.Dim):
-    """W4A16 group-32 gate+up: int4 dequantized to bf16 in registers, bf16 dot, SiLU(gate)*up."""
+    """W4A16 group-32 gate+up: per scale group an f32 dot of bf16 x with the exact int4 values,
+    times the group's scale (`kd.group_dot`), SiLU(gate)*up."""
     b, n = _s1_grid()
     e, rows, tid = _block_rows(sorted_ids, block_expert, b)
     valid = tid < kd.dim("M") * TOPK
@@ -981,14 +992,16 @@ def moe_stage1_w4a16(x: kd.In["M", "K", kd.bf16], w13: kd.In["E", "N2", "K", kd.
     I = kd.dim("I")
 
     wr = _w_rows(0)
+    g = _w4a16_groups(64)
 
     def body(k, ag, au):
         a = x.load(tok, k, mask=valid)
-        return (ag + _wdot(a, _dequant_g32(w13, s13, e, n, k, "KG"), wr),
-                au + _wdot(a, _dequant_g32(w13, s13, e, n + I, k, "KG"), wr))
+        return (_w4a16_dot(a, w13, s13, e, n, k, "KG", ag, wr),
+                _w4a16_dot(a, w13, s13, e, n + I, k, "KG", au, wr))
 
-    z = kd.zeros((n, tid) if wr else (tid, n), kd.f32)
+    z = kd.zeros((g, n, tid) if wr else (g, tid, n), kd.f32)
     ag, au = kd.fold(_k_tiles("K", 64), (z, z), body)
+    ag, au = kd.sum(ag, axis=g), kd.sum(au, axis=g)
     inter.store(rows, n, value=kd.silu(ag) * au, mask=valid)
 
 
@@ -1145,18 +1158,20 @@ def moe_stage2_w4a16(inter: kd.In["S", "I", kd.bf16], w2: kd.In["E", "H", "I", k
                      s2: kd.In["E", "H", "IG", kd.bf16], sorted_ids: kd.In["S", kd.i32],
                      block_expert: kd.In["NB", kd.i32], topk_w: kd.In["T", kd.f32],
                      out: kd.InOut["MO", "H", kd.f32], partial: kd.Out["P", "H", kd.f32], TOPK: kd.Dim):
-    """W4A16 group-32 down: bf16 intermediate x dequantized int4, routing weight, top-k reduction."""
+    """W4A16 group-32 down: bf16 intermediate x exact int4 per scale group, times the group's scale
+    (`kd.group_dot`), routing weight, top-k reduction."""
     b, n = _s2_grid()
     e, rows, tid = _block_rows(sorted_ids, block_expert, b)
     valid = tid < kd.dim("T")
 
     wr = _w_rows(0)
+    g = _w4a16_groups(32)
 
     def body(k, acc):
-        return acc + _wdot(inter.load(rows, k, mask=valid), _dequant_g32(w2, s2, e, n, k, "IG"), wr)
+        return _w4a16_dot(inter.load(rows, k, mask=valid), w2, s2, e, n, k, "IG", acc, wr)
 
-    acc = kd.fold(_k_tiles("I", 32), kd.zeros((n, rows) if wr else (rows, n), kd.f32), body)
-    _s2_epilogue(acc, tid, valid, n, topk_w, out, partial)
+    acc = kd.fold(_k_tiles("I", 32), kd.zeros((g, n, rows) if wr else (g, rows, n), kd.f32), body)
+    _s2_epilogue(kd.sum(acc, axis=g), tid, valid, n, topk_w, out, partial)
 
 
 @kd.kernel(static=("TOPK",), example=S2_EXAMPLE)
@@ -1461,7 +1476,9 @@ def _check_backend(backend: str) -> None:
 
 
 def _dequant(w: MoEWeights, which: str) -> torch.Tensor:
-    """Reference dequantization to f32 [E, N, K] (W4A16: rounded to bf16 first, as the kernel does)."""
+    """Reference dequantization to f32 [E, N, K]. W4A16: `q * s` exactly (an int4 times a bf16 is
+    exact in f32, no bf16 rounding): the kernels apply each group's scale after an f32 dot of the
+    exact int4 values (`kd.group_dot`), the same math up to f32 summation order."""
     from ops.packing import unpack_int4
 
     words, s = (w.w13, w.s13) if which == "13" else (w.w2, w.s2)
@@ -1469,7 +1486,7 @@ def _dequant(w: MoEWeights, which: str) -> torch.Tensor:
         return words.float()
     if w.fmt == "w4a16":
         q = unpack_int4(words, "ct").float()
-        return (q * s.float().repeat_interleave(GROUP, dim=-1)).to(torch.bfloat16).float()
+        return q * s.float().repeat_interleave(GROUP, dim=-1)
     return unpack_int4(words, "quark_reorder").float()  # w4a8: scales applied after the int dot
 
 

@@ -186,7 +186,7 @@ def _routing(real_rows: bool = True, seed: int = 6):
     return sid_clean, bexp_clean, sid_bad, bexp_bad, used
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "w4a8", "w4a8_amax"])
+@pytest.mark.parametrize("fmt", ["bf16", "w4a8", "w4a8_amax", "w4a16"])
 def test_moe_stage1_bad_expert_and_token_ids(fmt: str) -> None:
     amax = fmt == "w4a8_amax"              # moe_stage1_w4a8_amax: its tile maxima too (NT = I / 32)
     fmt = "w4a8" if amax else fmt
@@ -200,6 +200,11 @@ def test_moe_stage1_bad_expert_and_token_ids(fmt: str) -> None:
         x, xbuf = guarded(torch.randn(M, H, generator=g).bfloat16())
         args = lambda s, b, out: (x, w13, s, b, out, TOPK)  # noqa: E731
         kern, cfg = moe.moe_stage1_bf16, {"BLOCK_N": 32, "BLOCK_K": 64}
+    elif fmt == "w4a16":  # NaN-guarded bf16 group scales: a stray scale read reaches the output
+        s13, sbuf = guarded(W.s13)
+        x, xbuf = guarded(torch.randn(M, H, generator=g).bfloat16())
+        args = lambda s, b, out: (x, w13, s13, s, b, out, TOPK)  # noqa: E731
+        kern, cfg = moe.moe_stage1_w4a16, {"BLOCK_N": 32, "BLOCK_K": 64}
     else:
         s13, sbuf = guarded(W.s13)
         x, xbuf = guarded(torch.randint(-127, 128, (M, H), generator=g, dtype=torch.int8))
@@ -224,28 +229,35 @@ def test_moe_stage1_bad_expert_and_token_ids(fmt: str) -> None:
         assert guards_intact(am[1], S) and am[0].isfinite().all() and torch.equal(am[0][good], am_clean[good])
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "w4a16"])
 @pytest.mark.parametrize("reduce", ["atomic", "partial"])
-def test_moe_stage2_bad_expert_and_token_ids(reduce: str) -> None:
-    W = make_weights("bf16", E, H, I)
+def test_moe_stage2_bad_expert_and_token_ids(reduce: str, fmt: str) -> None:
+    W = make_weights(fmt, E, H, I)
     g = torch.Generator().manual_seed(8)
     atomic = reduce == "atomic"
     sid, bexp, sid_bad, bexp_bad, used = _routing(real_rows=atomic)
     S, T = sid.numel(), M * TOPK
     inter = torch.randn(S, I, generator=g).bfloat16()
-    w2, wbuf = guarded(W.w2)
+    fill = float("nan") if fmt == "bf16" else 0x77777777
+    w2, wbuf = guarded(W.w2, fill)
+    s2, sbuf = guarded(W.s2) if fmt == "w4a16" else (None, None)  # NaN guards: a stray scale read shows
     tw, twbuf = guarded(torch.rand(T, generator=g))
     cfg = {"BLOCK_N": 64, "BLOCK_K": 32, "REDUCE": reduce}
 
     def run(s, b):
         out, obuf = guarded(torch.zeros(M if atomic else 0, H))
         part, pbuf = guarded(torch.zeros(0 if atomic else T, H))
-        moe.moe_stage2_bf16(inter, w2, s, b, tw, out, part, TOPK, config=cfg)
+        if fmt == "w4a16":
+            moe.moe_stage2_w4a16(inter, w2, s2, s, b, tw, out, part, TOPK, config=cfg)
+        else:
+            moe.moe_stage2_bf16(inter, w2, s, b, tw, out, part, TOPK, config=cfg)
         assert guards_intact(obuf, out.shape[0]) and guards_intact(pbuf, part.shape[0])
         return out if atomic else part
 
     clean = run(sid, bexp)
     bad = run(sid_bad, bexp_bad)
-    assert guards_intact(wbuf, E) and guards_intact(twbuf, T)
+    assert guards_intact(wbuf, E, None if fmt == "bf16" else fill) and guards_intact(twbuf, T)
+    assert sbuf is None or guards_intact(sbuf, E)
     assert bad.isfinite().all()
     # atomic: the bad-expert blocks add exact zeros (their weight loads are masked to 0)
     torch.testing.assert_close(bad, clean, atol=0, rtol=0)

@@ -458,6 +458,54 @@ def test_dequant_group_scales_bit_exact(how):
     assert torch.equal(out[~ref.isnan()], ref[~ref.isnan()])
 
 
+@kd.kernel
+def i_group_dot(x: kd.In["M", "K", kd.bf16], w: kd.In["N", "K", kd.int4("ct")], s: kd.In["N", "KG", kd.bf16],
+                out: kd.Out["M", "N", kd.f32]):
+    m, n = kd.grid(kd.tile("M", domain=(16,), default=16), kd.tile("N", domain=(16,), default=16))
+    bk = kd.tunable("BLOCK_K", (32, 64), 64)
+    rows = kd.tunable("Q_ROWS", (0, 1), 0)  # 1: the int tile is the dot's a side
+    g = kd.span(0, bk // 32, label="g")
+
+    def body(k, acc):
+        q = w.load(n, k, unpack="sbfe")
+        sc = s.load(n, kd.mx_groups(k, kd.dim("KG"), 32))
+        return kd.group_dot(q, x[m, k], sc, acc) if rows else kd.group_dot(x[m, k], q, sc, acc)
+
+    acc = kd.fold(kd.tiles("K", block="BLOCK_K", domain=(32, 64), default=64),
+                  kd.zeros((g, n, m) if rows else (g, m, n), kd.f32), body)
+    out[m, n] = kd.sum(acc, axis=g)
+
+
+@pytest.mark.parametrize("bk,rows", [(64, 0), (32, 1), (64, 1)])
+def test_group_dot_scales_after_the_dot(bk, rows):
+    """kd.group_dot = sum over groups of s[n, g] * (x . q over the group's 32 K), the int4 values
+    exact (no bf16 rounding of q * s): f32-accurate against float64, both operand sides, M/N/K
+    tails (K = 3 groups: half a 64-wide tile)."""
+    g = gen(14)
+    M, N, K = 19, 21, 96
+    x = torch.randn(M, K, generator=g).bfloat16()
+    q = torch.randint(-8, 8, (N, K), generator=g, dtype=torch.int8)
+    s = (torch.rand(N, K // 32, generator=g) * 0.05 + 0.01).bfloat16()
+    out = poisoned((M, N), torch.float32)
+    i_group_dot(x, pack_ref(q, "ct"), s, out, config={"BLOCK_K": bk, "Q_ROWS": rows})
+    ref = x.double() @ (q.double() * s.double().repeat_interleave(32, dim=1)).t()
+    torch.testing.assert_close(out.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+    coarse = x.double() @ (q.float() * s.float().repeat_interleave(32, dim=1)).bfloat16().double().t()
+    assert (out.double() - ref).abs().max() < (coarse - ref).abs().max() / 10  # finer than a bf16 dequant
+
+
+def test_group_dot_rejects_bad_operands():
+    @kd.kernel
+    def two_floats(x: kd.In["M", "K", kd.bf16], y: kd.In["N", "K", kd.bf16], s: kd.In["N", "KG", kd.bf16],
+                   out: kd.Out["M", "N", kd.f32]):
+        m, n = kd.grid(kd.tile("M", domain=(16,), default=16), kd.tile("N", domain=(16,), default=16))
+        k = kd.span(0, 32, kd.dim("K"), label="k")
+        out[m, n] = kd.sum(kd.group_dot(x[m, k], y[n, k], s.load(n, kd.mx_groups(k, kd.dim("KG"), 32))), axis=0)
+
+    with pytest.raises(kd.TraceError, match="one int8 tile and one bf16 tile"):
+        two_floats.source({})
+
+
 def test_int4_pack_ref_known_word():
     # element e = e+1 for e in 0..7: quark_order puts element i in nibble i
     q = torch.arange(1, 9, dtype=torch.int8)[None]

@@ -3,7 +3,7 @@ input errors, and AOT resource checks.
 
 Tolerances: routing ids exact, routing weights 1e-6 abs (f32, different summation order);
 W4A8 i32 accumulators exact; routed-expert outputs (f32) vs the torch reference that replays the
-same roundings (bf16 intermediate, int8 row quant, bf16 W4A16 dequant): 1e-2 x max|ref| abs, because a
+same roundings (bf16 intermediate, int8 row quant; W4A16 weights q * s exact): 1e-2 x max|ref| abs, because a
 different f32 summation order may flip one bf16 rounding of the intermediate; the layer output (bf16)
 2e-2 x max|ref| abs.
 """
