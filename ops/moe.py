@@ -51,10 +51,12 @@ Pipeline of `fused_moe` (backend="triton"):
    (main loop = unpack + i32 MFMA only); "amax", `moe_stage1_w4a8_amax` also stores each (valid
    row, BLOCK_N column tile)'s absmax of the bf16 it stores ([S, NT] f32, not zero-filled: stage 2
    reads only valid rows') and `moe_stage2_w4a8_aq` takes the row absmax as the max of the NT tile
-   maxima (exact), forms the scale and divides exactly as `quant_per_token_int8` does while its A
-   tiles load: one launch fewer for ~6 VALU per A element in every program, which hides under
-   the weight stream on gfx942 (its wider BLOCK_N up to 256 means fewer programs re-quantizing a
-   block's rows) but not on gfx950 past M=1. With config "stage2_quant": "fused", `moe_stage2_w4a8` quantizes its A
+   maxima (exact), forms the scale as `quant_per_token_int8` does and divides with one residual
+   step fewer (`ops.quant._div_int8`: the same int8 code for every bf16 input) while its A tiles
+   load: one launch fewer for ~5 VALU per A element in every program (the int4 unpack, ~14 VALU per
+   word of 8 weights, is most of the main loop either way), which hides under the weight stream on
+   gfx942 (its wider BLOCK_N up to 256 means fewer programs re-quantizing a block's rows) but not on
+   gfx950 past M=1. With config "stage2_quant": "fused", `moe_stage2_w4a8` quantizes its A
    tiles itself (one launch less, but ~2x the main-loop VALU: every wave re-quantizes the A tile);
    with "stage2_quant": "stage1", `moe_stage1_w4a8_q` writes the int8 intermediate itself with one
    scale per (row, stage-1 BLOCK_N columns) (a row's I columns span several stage-1 programs, so a
@@ -104,7 +106,7 @@ import torch
 import kdsl as kd
 
 from ops._common import check_backend, check_tensor, config_for, invariant_config
-from ops.quant import MIN_ABSMAX, _div_rn, _int8_code, _round_rne, _row_divider, quant_per_token_int8_ref, quantize_int8
+from ops.quant import MIN_ABSMAX, _div_int8, _int8_code, _round_rne, _row_divider, quant_per_token_int8_ref, quantize_int8
 
 NEG_INF = float("-inf")
 BIG = 1 << 30
@@ -1102,9 +1104,9 @@ def moe_stage2_w4a8_aq(inter: kd.In["S", "I", kd.bf16], inter_amax: kd.In["S", "
                        sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32], topk_w: kd.In["T", kd.f32],
                        out: kd.InOut["MO", "H", kd.f32], partial: kd.Out["P", "H", kd.f32], TOPK: kd.Dim):
     """W4A8 down on the bf16 intermediate of `moe_stage1_w4a8_amax`, quantized as its A tiles load:
-    the row absmax is the max of the row's NT stage-1 tile maxima (no pass over the row), the scale
-    and the division are `quant_per_token_int8`'s (`_row_divider`, `_div_rn`: 5 VALU per element,
-    correctly rounded), so the int8 codes, the scales and the result equal the separate path
+    the row absmax is the max of the row's NT stage-1 tile maxima (no pass over the row), the scale is
+    `quant_per_token_int8`'s and the division `_div_int8` (3 VALU per element; its int8 codes are
+    `_div_rn`'s for every bf16 input), so the int8 codes, the scales and the result equal the separate path
     (`quant_per_token_int8` + `moe_stage2_w4a8_pq`) bit for bit, one launch fewer."""
     b, n = kd.grid(kd.each("NB"), kd.tile("H", "BLOCK_N", domain=AQ_N_BLOCKS, default=64))
     e, rows, tid = _block_rows(sorted_ids, block_expert, b)
@@ -1120,7 +1122,7 @@ def moe_stage2_w4a8_aq(inter: kd.In["S", "I", kd.bf16], inter_amax: kd.In["S", "
     wr = _w_rows(0)
 
     def body(k, acc):
-        y = kd.minimum(kd.maximum(_div_rn(inter.load(rows, k, mask=valid).to(kd.f32), d, r), -127.0), 127.0)
+        y = kd.minimum(kd.maximum(_div_int8(inter.load(rows, k, mask=valid).to(kd.f32), d, r), -127.0), 127.0)
         return acc + _wdot(_int8_code(y), w2.load(e, n, k, unpack=how), wr)
 
     acc = kd.fold(_k_tiles("I"), kd.zeros((n, rows) if wr else (rows, n), kd.i32), body)

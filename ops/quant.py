@@ -72,6 +72,17 @@ def _div_rn(a, d, r):
     return kd.fma(kd.fma(-q, d, a), r, q)
 
 
+def _div_int8(a, d, r):
+    """a / d for an int8 code, one residual step fewer than `_div_rn` (3 VALU per element instead of 5):
+    q0 = a*r plus one correction is faithful (within 1 ulp), and for a bf16 `a` and d = RN(absmax/127)
+    of a bf16 row absmax (or the MIN_ABSMAX / FLT_MAX divisors) its clamped round-to-nearest-even
+    integer equals that of `_div_rn`'s quotient for every input: checked exhaustively by
+    tests/test_quant_div.py (all bf16 values against every absmax mantissa; the quotient is exact
+    under power-of-two scaling of both). The int8 codes, not the f32 quotients, are what match."""
+    q = a * r
+    return kd.fma(kd.fma(-q, d, a), r, q)
+
+
 @kd.kernel(example={"M": 1, "K": 7168})
 def quant_per_token_int8(x: kd.In["M", "K", kd.bf16], q: kd.Out["M", "K", kd.i8], scale: kd.Out["M", kd.f32]):
     """Per-token symmetric int8: scale = absmax/127, q = clamp(rne(x/scale), -127, 127)."""
