@@ -25,6 +25,7 @@ in every layer.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -107,7 +108,7 @@ def gemm_bf16_splitk_norm_quant_kernel(x: kd.In["M", "K", kd.bf16], w: kd.In["D"
     kd.fold(_rows_of(m), None, row)
 
 
-KERNELS = (gemm_bf16_splitk_norm_kernel, gemm_bf16_splitk_norm_quant_kernel)
+KERNELS = (gemm_bf16_splitk_norm_kernel, gemm_bf16_splitk_norm_quant_kernel)  # by `quant`
 
 
 def fused_config(M: int, D: int, K: int, quant: bool, config: dict | None = None) -> dict:
@@ -186,3 +187,41 @@ def gemm_splitk_add_norm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tenso
         gemm_bf16_splitk_norm_quant_kernel(x, w, res, norm_w, part, out, q, s, r_out, counters, float(eps),
                                            config=cfg)
     return q, s, out, r_out
+
+
+def _figure(kernel: Any, arch: str, problem: dict[str, int], bucket: int) -> float | None:
+    from autotune.store import lookup_figures
+
+    f = lookup_figures(kernel, arch, problem, bucket)
+    return float(f["predicted_us"]) if f and "predicted_us" in f else None
+
+
+@functools.lru_cache(maxsize=None)
+def _pays_at(arch: str, D: int, K: int, quant: bool, bucket: int) -> bool:
+    """The tuned files' figures at one bucket: the fused launch (its serial tail included) against
+    gemm_bf16_splitk + rmsnorm_add(_quant)_splitk + the launch gap between them."""
+    from autotune.costmodel import launch_gap_us
+    from autotune.store import lookup_config
+    from ops.gemm import gemm_bf16_splitk_kernel
+    from ops.norm import rmsnorm_add_quant_splitk, rmsnorm_add_splitk
+
+    fused = _figure(KERNELS[quant], arch, {"D": D, "K": K}, bucket)
+    gemm = _figure(gemm_bf16_splitk_kernel, arch, {"N": D, "K": K}, bucket)
+    splits = int(lookup_config(gemm_bf16_splitk_kernel, arch, {"N": D, "K": K}, 1).get("SPLIT_K", SPLIT_K_DEFAULT))
+    tail = _figure(rmsnorm_add_quant_splitk if quant else rmsnorm_add_splitk, arch, {"D": D, "S": splits}, bucket)
+    if fused is None or gemm is None or tail is None:
+        return False
+    return fused < gemm + tail + launch_gap_us(arch)
+
+
+def fused_pays(arch: str, D: int, K: int, quant: bool, M: int) -> bool:
+    """Whether `gemm_splitk_add_norm` beats the two-launch chain at M rows on `arch`, by the tuned
+    files (a host lookup on shapes: no device read). It must pay at M's bucket and at every bucket
+    below it: the fused buckets are one prefix of the ladder, so decode and the verify sizes above it
+    take one path unless the figures part them. No files (the interpreter): False."""
+    from autotune.buckets import LADDER
+
+    if M < 1 or M > LADDER[-1]:
+        return False
+    top = next(b for b in LADDER if b >= M)
+    return all(_pays_at(arch, D, K, bool(quant), b) for b in LADDER if b <= top)
