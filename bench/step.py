@@ -128,7 +128,7 @@ def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: i
     mode = HostShadowMode()
     model = build_model(cfg, experts, mode, tp, moe_parallel)
     probs = _problems([record_step(cfg, experts, arch, batch, ctx, ql, model, mode) for ql in q_lens], batch)
-    probs = _with_stage2_quant_paths(probs)
+    probs = _with_o_proj_tail_paths(_with_stage2_quant_paths(probs), arch)
     ep = cfg.n_routed_experts if moe_parallel == "ep" and tp > 1 else None
     return [(k, {**p, **ep_share(k, p, ep)}, m) for k, p, m in probs]   # EP: tuned for the rank's share
 
@@ -162,6 +162,40 @@ def _with_stage2_quant_paths(probs: list[tuple[Any, dict[str, Any], int]]) -> li
             add(s1, p1, m)
             add(s2, p2, m)
         add(quant_per_token_int8, {"K": I}, aligned_blocks(m * top_k, E, 16) * 16)  # "separate"'s rows at M=m
+    return out
+
+
+def _with_o_proj_tail_paths(probs: list[tuple[Any, dict[str, Any], int]], arch: str
+                            ) -> list[tuple[Any, dict[str, Any], int]]:
+    """`probs` plus both paths of o_proj's residual-add norm at world size 1: gemm_bf16_splitk then
+    rmsnorm_add(_quant)_splitk, or one gemm_bf16_splitk_norm(_quant) launch. The model picks between
+    them from both paths' files (`ops.splitk_norm.fused_pays`), so whichever the recorded step took,
+    the other must be tuned too."""
+    from ops._common import invariant_config
+    from ops.gemm import SPLIT_K_DEFAULT, gemm_bf16_splitk_kernel
+    from ops.norm import rmsnorm_add_quant_splitk, rmsnorm_add_splitk
+    from ops.splitk_norm import KERNELS
+
+    chain_norms = {rmsnorm_add_splitk.name: False, rmsnorm_add_quant_splitk.name: True}
+    fused = {k.name: quant for quant, k in enumerate(KERNELS)}
+    seen = {(k.name, json.dumps(p, sort_keys=True)) for k, p, _ in probs}
+    out = list(probs)
+
+    def add(kern: Any, prob: dict[str, Any], m: int) -> None:
+        key = (kern.name, json.dumps(prob, sort_keys=True))
+        if key not in seen:
+            seen.add(key)
+            out.append((kern, prob, m))
+
+    splitk_k = {p["N"]: p["K"] for k, p, _ in probs if k.name == gemm_bf16_splitk_kernel.name}
+    for kern, prob, m in probs:
+        if kern.name in fused:
+            D, K = prob["D"], prob["K"]
+            S = int(invariant_config(gemm_bf16_splitk_kernel, {"N": D, "K": K}, 1, None, arch=arch).get("SPLIT_K", SPLIT_K_DEFAULT))
+            add(gemm_bf16_splitk_kernel, {"N": D, "K": K}, m)
+            add(rmsnorm_add_quant_splitk if fused[kern.name] else rmsnorm_add_splitk, {"D": prob["D"], "S": S}, m)
+        elif kern.name in chain_norms and prob["D"] in splitk_k:
+            add(KERNELS[chain_norms[kern.name]], {"D": prob["D"], "K": splitk_k[prob["D"]]}, m)
     return out
 
 
