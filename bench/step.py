@@ -579,6 +579,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, help="write the waterfall PNG here")
     p.add_argument("--workers", type=int, default=None, help="parallel AOT compiles (default min(4, cores))")
     p.add_argument("--no-measure", action="store_true", help="skip the GPU measurement even when a GPU is present")
+    p.add_argument("--o-proj-norm", default="auto", choices=("auto", "on", "off"),
+                   help="world size 1: o_proj runs the residual-add norm in its last programs (KimiModel.o_proj_norm): "
+                        "auto (where the tuned files say it pays, ops.splitk_norm.fused_pays), on, off (default auto)")
     _add_draft_args(p)
     a = p.parse_args(argv)
     for flag, v, lo, hi in (("--batch", a.batch, 1, 4096), ("--ctx", a.ctx, 1, 1 << 22), ("--tp", a.tp, 1, 64),
@@ -625,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log = (lambda m: print(m, file=sys.stderr)) if a.json else (lambda m: print(m, flush=True))
     doc: dict[str, Any] = {"config": a.config, "batch": a.batch, "ctx": a.ctx, "tp": a.tp, "gap": a.gap,
+                           "o_proj_norm": a.o_proj_norm,
                            "layers": full.num_hidden_layers, "layers_recorded": cfg.num_hidden_layers,
                            "assumptions": {"launch_gap_us": costmodel.LAUNCH_GAP_US,
                                            "allreduce_latency_us_bw_gbps": ALLREDUCE,
@@ -642,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         mode = HostShadowMode()
         t0 = time.time()
         model = build_model(cfg, fmt, mode, a.tp, a.moe_parallel)
+        model.o_proj_norm = {"auto": "auto", "on": True, "off": False}[a.o_proj_norm]
         log(f"built {fmt} model ({cfg.num_hidden_layers} layers) on meta in {time.time() - t0:.1f}s")
         for arch in a.archs:
             for ql in a.qls:

@@ -527,8 +527,8 @@ class KimiModel:
         # (ops.swiglu.gemm_bf16_swiglu_combine: one launch fewer, the same bits); False: combine_add
         self.combine_in_shared = True
         # ... and o_proj's GEMM runs the residual-add norm after it in its last programs
-        # (ops.splitk_norm, one launch fewer): "auto" where the tuned files say it pays at the step's
-        # M bucket (ops.splitk_norm.fused_pays), True always (up to the counters' rows), False never
+        # (ops.splitk_norm, one launch fewer): "auto" where the tuned files say it pays at every decode
+        # and verify size (ops.splitk_norm.fused_pays), True always (up to the counters' rows), False never
         self.o_proj_norm = "auto"
         self.o_proj_counters = None       # its ticket counters: allocated once, below (triton, world size 1)
         self.capture_ids = tuple(capture_ids) if capture_ids is not None else cfg.capture_layer_ids

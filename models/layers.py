@@ -122,7 +122,7 @@ def _norm_input(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
 class NormTail:
     """How an output GEMM may hand its residual-add norm to its own last programs: the call site's
     ticket counters (zeroed once, left at 0 by every launch) and `fuse`: True, False or "auto"
-    (ops.splitk_norm.fused_pays: by the tuned files, per M bucket)."""
+    (ops.splitk_norm.fused_pays: by the tuned files, one answer for every decode and verify size)."""
     counters: torch.Tensor
     fuse: bool | str = "auto"
 

@@ -214,14 +214,21 @@ def _pays_at(arch: str, D: int, K: int, quant: bool, bucket: int) -> bool:
     return fused < gemm + tail + launch_gap_us(arch)
 
 
+# Rows up to which the model's decode and verify steps run (every tuned bucket of the files): one
+# path for all of them
+FUSED_SPAN = 128
+
+
 def fused_pays(arch: str, D: int, K: int, quant: bool, M: int) -> bool:
-    """Whether `gemm_splitk_add_norm` beats the two-launch chain at M rows on `arch`, by the tuned
-    files (a host lookup on shapes: no device read). It must pay at M's bucket and at every bucket
-    below it: the fused buckets are one prefix of the ladder, so decode and the verify sizes above it
-    take one path unless the figures part them. No files (the interpreter): False."""
+    """Whether the model runs `gemm_splitk_add_norm` instead of the two-launch chain at M rows on
+    `arch`, by the tuned files (a host lookup on shapes: no device read): one answer for every M up
+    to FUSED_SPAN, True only if the fused launch is predicted faster at EVERY bucket up to it. Why
+    not per bucket: a row's bits must not depend on the batch or q_len, and on a GPU the fused tail
+    reduces a row's sum of squares in its own layout (its num_warps), not the chain kernel's, so a
+    decode row (M = B) and its verify row (M = B x q_len) must take the same path. Above FUSED_SPAN
+    (prefill) the chain. No files (the interpreter): False."""
     from autotune.buckets import LADDER
 
-    if M < 1 or M > LADDER[-1]:
+    if M < 1 or M > FUSED_SPAN:
         return False
-    top = next(b for b in LADDER if b >= M)
-    return all(_pays_at(arch, D, K, bool(quant), b) for b in LADDER if b <= top)
+    return all(_pays_at(arch, D, K, bool(quant), b) for b in LADDER if b <= FUSED_SPAN)
