@@ -21,7 +21,11 @@ Simple on purpose, every term visible in `predict(...)["terms"]`:
 * MFMA and VALU of different waves overlap only when two or more waves actually share a SIMD:
   min(occupancy, waves the CU is given per SIMD); one program of 4 warps on a 4-SIMD CU adds them.
 * extra bytes (problem model: e.g. MLA split partials) add to the memory time, not to the floor.
-* predicted = max(compute, LDS, memory). Launch gaps are per launch and belong to a sequence of
+* tail (a "last program finishes" launch, kd.atomic_ticket): work ONE program does after the grid,
+  serially: its bytes at the bandwidth one program draws (the memory term's saturation rule at one
+  program: warps / (CUs x SIMDs) of HBM) plus one ticket round trip (`TICKET_US`) per ticket drawn
+  in sequence; added to the grid's time. The launch it saves is the step's (one gap fewer).
+* predicted = max(compute, LDS, memory) + tail. Launch gaps are per launch and belong to a sequence of
   launches (a step), not to one kernel: `launch_gap_us(target, mode)`. Spilling configs are charged 2x and ranked after all clean
   ones; configs that failed (compile error, LDS overflow) rank last with an infinite time.
 * roofline floor = max(bytes / bandwidth, flops / peak[operand type]); the fraction recorded is
@@ -56,6 +60,22 @@ LDS_BYTES_PER_CLK = {"gfx942": 128.0, "gfx950": 256.0, "sm90": 128.0}
 # eager launch from Python (PyTorch dispatch + runtime launch, host bound). Stated assumptions, not
 # measurements on this machine: AMD graph replay ~2 us per kernel node, CUDA graphs ~1 us; eager ~8 us.
 LAUNCH_GAP_US = {"graph": {"gfx942": 2.0, "gfx950": 2.0, "sm90": 1.0}, "eager": {"gfx942": 8.0, "gfx950": 8.0, "sm90": 6.0}}
+
+
+# One gpu-scope acq_rel atomic (a ticket) as seen by the program that draws it, microseconds: on AMD
+# the L2 write-back (buffer_wbl2) and wait before it, the atomic at the memory side, the invalidate
+# after it; on NVIDIA an L2 atomic round trip. Stated assumptions (a few HBM latencies), not
+# measurements on this machine.
+TICKET_US = {"gfx942": 1.0, "gfx950": 1.0, "sm90": 0.5}
+
+
+def tail_us(target: Any, num_warps: int, nbytes: float, tickets: int) -> float:
+    """The serial tail's time (see the module doc): tickets in sequence plus one program's bytes."""
+    if not nbytes and not tickets:
+        return 0.0
+    name = getattr(target, "name", target)
+    share = min(1.0, max(1, num_warps) / (target.cu_count * target.simd_per_cu))
+    return tickets * TICKET_US.get(name, max(TICKET_US.values())) + nbytes / (target.hbm_gbps * 1e3 * share)
 
 
 def launch_gap_us(target: Any, mode: str = "graph") -> float:
@@ -113,12 +133,13 @@ def roofline_floor_s(target: Any, nbytes: float, flops: float, peak_dtype: str) 
 
 
 def predict(report: dict[str, Any], target: Any, programs: int, iters: int, nbytes: float, flops: float,
-            peak_dtype: str, m_tiles: int = 1, m_bytes_fraction: float = 1.0, extra_bytes: float = 0.0
-            ) -> dict[str, Any]:
+            peak_dtype: str, m_tiles: int = 1, m_bytes_fraction: float = 1.0, extra_bytes: float = 0.0,
+            tail_bytes: float = 0.0, tail_tickets: int = 0) -> dict[str, Any]:
     """Predicted time (µs) of one launch, the roofline floor and the terms behind them.
     `m_tiles`: programs along M; `m_bytes_fraction`: the share of bytes that grows with M (rows of
     activations and outputs); the rest (weights) is re-read by every M tile. `extra_bytes`: traffic
-    the implementation adds beyond the floor's bytes (split partials)."""
+    the implementation adds beyond the floor's bytes (split partials). `tail_bytes`, `tail_tickets`:
+    the serial tail one program runs after the grid (module doc)."""
     floor_s, bound = roofline_floor_s(target, nbytes, flops, peak_dtype)
     out: dict[str, Any] = {"programs": programs, "loop_iters": iters, "floor_us": floor_s * 1e6, "bound": bound}
     if not report.get("ok", False):
@@ -154,7 +175,8 @@ def predict(report: dict[str, Any], target: Any, programs: int, iters: int, nbyt
     in_flight = min(streams, target.cu_count * resident) * nw
     saturation = min(1.0, in_flight / (target.cu_count * target.simd_per_cu))
     memory_s = (nbytes + extra_bytes) / (target.hbm_gbps * 1e9 * saturation)
-    t = max(compute_s, memory_s)
+    tail_s = tail_us(target, nw, tail_bytes, tail_tickets) * 1e-6
+    t = max(compute_s, memory_s) + tail_s
     spills = int(report.get("spills", 0) or 0) + (1 if report.get("scratch_bytes", 0) else 0)
     penalty = ""
     if spills:
@@ -166,6 +188,7 @@ def predict(report: dict[str, Any], target: Any, programs: int, iters: int, nbyt
                       "waves_sharing_simd": sharing, "lds_cycles_per_cu": round(lds_cyc, 1),
                       "lds_us": round(lds_cyc / (target.clock_ghz * 1e9) * 1e6, 4), "extra_bytes": extra_bytes,
                       "compute_us": round(compute_s * 1e6, 4), "memory_us": round(memory_s * 1e6, 4),
+                      **({"tail_us": round(tail_s * 1e6, 4)} if tail_s else {}),
                       "hbm_saturation": round(saturation, 3), "m_tiles": m_tiles,
                       "m_bytes_fraction": round(m_bytes_fraction, 3)})
     return out

@@ -63,6 +63,9 @@ class ProblemModel:
     # traffic beyond the floor that the implementation adds (problem, m, launch dims) -> bytes, e.g.
     # MLA split partials written by the split kernel: charged in the predicted time, not the floor
     extra_bytes_fn: Callable[[Problem, int, Problem], float] | None = None
+    # work one program does serially AFTER the grid (a "last program finishes" tail, kd.atomic_ticket):
+    # (problem, m, launch dims) -> (bytes that program moves, tickets it draws one after another)
+    tail_fn: Callable[[Problem, int, Problem], tuple[float, int]] | None = None
     # the op's batch-invariant launches take every key but LAUNCH_ONLY_KEYS from the M=1 entry at any
     # M (ops._common.invariant_config): the tuner then picks those keys once, jointly over the buckets
     shared_numerics: bool = False

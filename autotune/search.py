@@ -220,8 +220,9 @@ def score(kernel: Any, target: Target, problem: dict[str, Any], m: int, config: 
     reuse = (reuse,) if isinstance(reuse, str) else tuple(reuse)
     m_tiles = math.prod(p.count(dims) for e in sp.grid for p in e.leaves() if p.dim in reuse) or 1
     extra = extra_bytes(kernel, problem, m, dims)
+    tail = pm.tail_fn(problem, m, dims) if pm.tail_fn else (0.0, 0)
     fig = costmodel.predict(report, target, math.prod(gs), loop_iters(kernel, dims, sp.config), nbytes, flops,
-                            pm.peak_dtype, m_tiles, m_frac, extra)
+                            pm.peak_dtype, m_tiles, m_frac, extra, tail_bytes=tail[0], tail_tickets=tail[1])
     fig["resources"] = {k: report.get(k) for k in ("vgpr", "agpr", "spills", "lds_bytes", "occupancy")}
     return fig
 

@@ -128,7 +128,7 @@ def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: i
     mode = HostShadowMode()
     model = build_model(cfg, experts, mode, tp, moe_parallel)
     probs = _problems([record_step(cfg, experts, arch, batch, ctx, ql, model, mode) for ql in q_lens], batch)
-    probs = _with_stage2_quant_paths(probs)
+    probs = _with_o_proj_tail_paths(_with_stage2_quant_paths(probs), arch)
     ep = cfg.n_routed_experts if moe_parallel == "ep" and tp > 1 else None
     return [(k, {**p, **ep_share(k, p, ep)}, m) for k, p, m in probs]   # EP: tuned for the rank's share
 
@@ -162,6 +162,40 @@ def _with_stage2_quant_paths(probs: list[tuple[Any, dict[str, Any], int]]) -> li
             add(s1, p1, m)
             add(s2, p2, m)
         add(quant_per_token_int8, {"K": I}, aligned_blocks(m * top_k, E, 16) * 16)  # "separate"'s rows at M=m
+    return out
+
+
+def _with_o_proj_tail_paths(probs: list[tuple[Any, dict[str, Any], int]], arch: str
+                            ) -> list[tuple[Any, dict[str, Any], int]]:
+    """`probs` plus both paths of o_proj's residual-add norm at world size 1: gemm_bf16_splitk then
+    rmsnorm_add(_quant)_splitk, or one gemm_bf16_splitk_norm(_quant) launch. The model picks between
+    them from both paths' files (`ops.splitk_norm.fused_pays`), so whichever the recorded step took,
+    the other must be tuned too."""
+    from ops._common import invariant_config
+    from ops.gemm import SPLIT_K_DEFAULT, gemm_bf16_splitk_kernel
+    from ops.norm import rmsnorm_add_quant_splitk, rmsnorm_add_splitk
+    from ops.splitk_norm import KERNELS
+
+    chain_norms = {rmsnorm_add_splitk.name: False, rmsnorm_add_quant_splitk.name: True}
+    fused = {k.name: quant for quant, k in enumerate(KERNELS)}
+    seen = {(k.name, json.dumps(p, sort_keys=True)) for k, p, _ in probs}
+    out = list(probs)
+
+    def add(kern: Any, prob: dict[str, Any], m: int) -> None:
+        key = (kern.name, json.dumps(prob, sort_keys=True))
+        if key not in seen:
+            seen.add(key)
+            out.append((kern, prob, m))
+
+    splitk_k = {p["N"]: p["K"] for k, p, _ in probs if k.name == gemm_bf16_splitk_kernel.name}
+    for kern, prob, m in probs:
+        if kern.name in fused:
+            D, K = prob["D"], prob["K"]
+            S = int(invariant_config(gemm_bf16_splitk_kernel, {"N": D, "K": K}, 1, None, arch=arch).get("SPLIT_K", SPLIT_K_DEFAULT))
+            add(gemm_bf16_splitk_kernel, {"N": D, "K": K}, m)
+            add(rmsnorm_add_quant_splitk if fused[kern.name] else rmsnorm_add_splitk, {"D": prob["D"], "S": S}, m)
+        elif kern.name in chain_norms and prob["D"] in splitk_k:
+            add(KERNELS[chain_norms[kern.name]], {"D": prob["D"], "K": splitk_k[prob["D"]]}, m)
     return out
 
 
@@ -545,6 +579,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, help="write the waterfall PNG here")
     p.add_argument("--workers", type=int, default=None, help="parallel AOT compiles (default min(4, cores))")
     p.add_argument("--no-measure", action="store_true", help="skip the GPU measurement even when a GPU is present")
+    p.add_argument("--o-proj-norm", default="auto", choices=("auto", "on", "off"),
+                   help="world size 1: o_proj runs the residual-add norm in its last programs (KimiModel.o_proj_norm): "
+                        "auto (where the tuned files say it pays, ops.splitk_norm.fused_pays), on, off (default auto)")
     _add_draft_args(p)
     a = p.parse_args(argv)
     for flag, v, lo, hi in (("--batch", a.batch, 1, 4096), ("--ctx", a.ctx, 1, 1 << 22), ("--tp", a.tp, 1, 64),
@@ -591,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log = (lambda m: print(m, file=sys.stderr)) if a.json else (lambda m: print(m, flush=True))
     doc: dict[str, Any] = {"config": a.config, "batch": a.batch, "ctx": a.ctx, "tp": a.tp, "gap": a.gap,
+                           "o_proj_norm": a.o_proj_norm,
                            "layers": full.num_hidden_layers, "layers_recorded": cfg.num_hidden_layers,
                            "assumptions": {"launch_gap_us": costmodel.LAUNCH_GAP_US,
                                            "allreduce_latency_us_bw_gbps": ALLREDUCE,
@@ -608,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         mode = HostShadowMode()
         t0 = time.time()
         model = build_model(cfg, fmt, mode, a.tp, a.moe_parallel)
+        model.o_proj_norm = {"auto": "auto", "on": True, "off": False}[a.o_proj_norm]
         log(f"built {fmt} model ({cfg.num_hidden_layers} layers) on meta in {time.time() - t0:.1f}s")
         for arch in a.archs:
             for ql in a.qls:

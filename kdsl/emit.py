@@ -546,6 +546,21 @@ class Emitter:
     def op_atomic_add(self, n: Node) -> None:
         self._store_like(n, "atomic_add")
 
+    def op_atomic_ticket(self, n: Node) -> None:
+        # one RMW: release orders this program's earlier stores (after kd.barrier: every wave's),
+        # acquire orders the tail's later loads (kdsl.lang.atomic_ticket says why that suffices)
+        backend = getattr(self.target, "backend", None)
+        if backend in ("hip", "cuda"):
+            # every thread (so every wave) first waits for its own stores: s_barrier / bar.sync alone
+            # do not wait for other waves' outstanding global stores on AMD (kd.barrier emits no
+            # fence there), and the ticket's release below covers only the issuing thread's wave
+            fence = "s_waitcnt vmcnt(0)" if backend == "hip" else "fence.acq_rel.gpu;"
+            self.w(f'tl.inline_asm_elementwise("{fence}", "=r,r", [tl.full([], 0, tl.int32)], '
+                   'dtype=tl.int32, is_pure=False, pack=1)')
+            self.w("tl.debug_barrier()")
+        ptr = self.address(n.a.handle, n.a.indices, ())
+        self.w(f'{n.results[0].name} = tl.atomic_add({ptr}, 1, sem="acq_rel", scope="gpu")')
+
     def op_exit_if(self, n: Node) -> None:
         self.w(f"if {self.ref(n.a.cond)}:")
         self.w("    return")

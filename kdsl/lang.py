@@ -986,6 +986,41 @@ def atomic_add(h, idx: Sequence[Any], value: Any, mask: Value | None = None) -> 
     c.add("atomic_add", [], handle=h, indices=ivals, masks=union_masks(*vals), mask=mask, value=value, axes=axes)
 
 
+def atomic_ticket(h, idx: Sequence[Any]) -> Value:
+    """Draw one ticket from a counter: `old = h[idx]; h[idx] = old + 1` as ONE atomic read-modify-write
+    with acq_rel semantics at gpu scope (AMD: agent), returning `old` (an i32 scalar). The pattern it
+    serves is "the last program finishes" (serial split-K / stream-K fix-ups): every program stores
+    its partial tile, `kd.barrier()`, draws a ticket; the program that draws `programs - 1` runs the
+    tail (`kd.exit_if(ticket != programs - 1)`), reads every partial and stores 0 back so the next
+    launch (graph replay) starts from a zeroed counter. The ticket brings its own ordering (no
+    `kd.barrier()` needed before it). Why the tail sees every partial:
+    - all waves' stores complete before the release: every thread first waits for its own global
+      stores (AMD `s_waitcnt vmcnt(0)`: the write-through L1 has handed them to L2; NVIDIA
+      `fence.acq_rel.gpu`), then a workgroup barrier (s_barrier / bar.sync), and only then one
+      thread draws the ticket; an s_barrier alone waits for no memory operation on gfx942/gfx950;
+    - the ticket releases and acquires at gpu/agent scope: AMD writes L2 back (buffer_wbl2 sc1,
+      for programs on another XCD) and waits before the atomic and invalidates (buffer_inv sc1)
+      after it; NVIDIA emits atom.acq_rel.gpu. Every earlier ticket's release heads a release
+      sequence that the later RMWs on the counter continue, so each earlier program's stores
+      happen before the last program's acquire (both memory models);
+    - the last program's loads follow the acquire in program order (the exit_if depends on the
+      ticket's value, which the other threads get through a barrier after the acquire).
+    Indices are scalars (tile starts, program ids, constants): the op sizes the counter operand.
+    On the interpreter programs run one after another, so a test there proves the tail's bits, not
+    the ordering."""
+    c = ctx()
+    if h.spec.kind == "in":
+        raise c.error(f"{h.name} is declared In[...]: a ticket counter must be InOut", h.name)
+    if h.dtype is not T.i32:
+        raise c.error(f"{h.name}: a ticket counter must hold i32, not {h.dtype!r}", h.name)
+    ivals = _index_values(h, idx)
+    if any(isinstance(v, Value) and v.axes for v in ivals):
+        raise c.error(f"{h.name}: a ticket is drawn at one counter: index it with scalars", h.name)
+    out = Value(T.i32, (), hint="ticket")
+    c.add("atomic_ticket", [out], handle=h, indices=ivals, masks=frozenset(), mask=None)
+    return out
+
+
 def _install_operand_methods() -> None:
     from .ir import OperandHandle
 

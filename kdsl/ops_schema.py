@@ -184,6 +184,19 @@ def _access(kind: str) -> Rule:
     return rule
 
 
+def _ticket(n: Any) -> str | None:
+    """A ticket: an i32 counter, scalar indices, an i32 scalar result."""
+    h = n.a.handle
+    if len(n.a.indices) != len(h.spec.dims):
+        return f"{len(n.a.indices)} indices for {h.name}'s {len(h.spec.dims)} dims"
+    if h.dtype is not T.i32:
+        return f"{h.name} holds {h.dtype!r}: a ticket counter holds i32"
+    if any(getattr(i, "axes", ()) for i in n.a.indices):
+        return "a ticket's indices must be scalars"
+    r = n.results[0]
+    return None if r.dtype is T.i32 and not r.axes else "the ticket must be an i32 scalar"
+
+
 def _dot(n: Any) -> str | None:
     a, b, acc = n.a.a, n.a.b, n.a.acc
     if len(a.axes) != 2 or len(b.axes) != 2:
@@ -314,6 +327,8 @@ RECORDS: dict[str, OpRecord] = {r.name: r for r in (
          rule=_access("any")),
     _rec("atomic_add", _ACCESS + (OperandSpec("value", VALUE),), (AttrSpec("axes", AXES), _BOUNDS), results=0,
          rule=_access("any")),
+    _rec("atomic_ticket", _ACCESS, (_BOUNDS,), results=1, rule=_ticket,
+         doc="old = h[idx]; h[idx] += 1, acq_rel at gpu scope: the last-program-finishes counter"),
     _rec("exit_if", (OperandSpec("cond", VALUE),), results=0, rule=_scalar_cond),
     _rec("barrier", (), results=0, doc="workgroup barrier; orders this program's stores before its later loads"),
     _rec("fold", (OperandSpec("start", INDEX), OperandSpec("stop", INDEX), OperandSpec("inits", VALUES)),

@@ -9,7 +9,7 @@ from .ir import Block, Node, Value, walk
 from .ops_schema import PackedTile
 from .targets import Target, bf16_convert
 
-SIDE_EFFECTS = {"store", "atomic_add", "exit_if", "barrier"}
+SIDE_EFFECTS = {"store", "atomic_add", "atomic_ticket", "exit_if", "barrier"}
 
 
 def _values_in(x: Any) -> Iterable[Value]:
@@ -143,8 +143,8 @@ def _dce_block(block: Block, counts: dict[int, int]) -> int:
     return removed
 
 
-MEMORY_OPS = ("load", "load_int4", "load_fp4", "store", "atomic_add")
-DATA_SOURCES = ("load", "load_int4", "load_fp4")  # ops whose results are memory contents, i.e. anything
+MEMORY_OPS = ("load", "load_int4", "load_fp4", "store", "atomic_add", "atomic_ticket")
+DATA_SOURCES = ("load", "load_int4", "load_fp4", "atomic_ticket")  # ops whose results are memory contents, i.e. anything
 
 
 def tainted_values(root: Block) -> set[int]:

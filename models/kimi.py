@@ -33,7 +33,7 @@ import torch
 from models.config import DeepseekV3Config
 from models.formats import QuantLinear, dequantize
 from models.kv_cache import LatentCache
-from models.layers import MLP, Linear, RMSNorm, act_dtype, check_backend, concat_weights
+from models.layers import MLP, Linear, NormTail, PendingGemm, RMSNorm, act_dtype, check_backend, concat_weights
 from models.loader import Checkpoint, stack_experts
 from models.parallel import Comm, single
 from models.step import RopeTable, StepCtx, advance, make_ctx, paged_rows, visibility
@@ -341,12 +341,14 @@ class _MLA:
         self.fused = True        # triton: the fused MLA kernels (ops.mla_fused); False runs the unfused ops
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache, layer: int,
-                 ctx: StepCtx, partials: bool = False, x_norm: Optional[RMSNorm] = None) -> torch.Tensor:
+                 ctx: StepCtx, partials: bool | NormTail = False, x_norm: Optional[RMSNorm] = None
+                 ) -> torch.Tensor | PendingGemm:
         """The attention output [T, hidden]; `partials` lets the fused triton path return o_proj's f32
         split-K partials [S, T, hidden] instead (a dense bf16 o_proj: see `_fused`), which only the
-        residual-add norms (RMSNorm.add_norm / add_norm_quant) may read. `x_norm` (only where
-        `takes_raw_rows`): x is the residual stream as f32 rows [1, T, hidden], not yet normed; the
-        q_a|kv_a GEMM applies x_norm in its prologue."""
+        residual-add norms (RMSNorm.add_norm / add_norm_quant) may read; a `NormTail` returns o_proj
+        itself, not run yet (a PendingGemm), which those norms run (with their tail where it pays).
+        `x_norm` (only where `takes_raw_rows`): x is the residual stream as f32 rows [1, T, hidden],
+        not yet normed; the q_a|kv_a GEMM applies x_norm in its prologue."""
         from ops.rope import apply_rope, rope_ref
 
         c = self.cfg
@@ -390,7 +392,8 @@ class _MLA:
             self.q_b.dense is not None
 
     def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvl: torch.Tensor,
-               ctx: StepCtx, partials: bool = False, x_norm: Optional[RMSNorm] = None) -> torch.Tensor:
+               ctx: StepCtx, partials: bool | NormTail = False, x_norm: Optional[RMSNorm] = None
+               ) -> torch.Tensor | PendingGemm:
         """The triton path in 6 launches (q_a|kv_a as one bf16 GEMM, a bf16 q_b): the q_a|kv_a GEMM
         split along K (gemm_bf16_splitk: f32 partials [S, T, q_lora + C + r], S times the programs of
         the plain GEMM at its small N) -> q_b GEMM with the split sum and the q_a RMSNorm in its
@@ -433,6 +436,8 @@ class _MLA:
             qf = q_absorb(q.view(T, H, nope + r), self.w_uk, cos, sin)                # [T, H, C + r]
         o = self._decode(qf, kvl, ctx, tree, self.w_uv_t).view(T, H * c.v_head_dim)  # [T, H * v]
         if partials and self.o_proj.dense is not None and self.o_proj.dense.dtype == torch.bfloat16:
+            if isinstance(partials, NormTail):            # the norm after it runs o_proj (with its tail)
+                return PendingGemm(o, self.o_proj.dense, partials)
             return gemm_bf16_splitk(o, self.o_proj.dense)                             # [S, T, hidden] f32
         return self.o_proj(o)
 
@@ -492,6 +497,10 @@ class _MLA:
         return self._decode(q.to(torch.bfloat16), kvl, ctx, tree).to(q.dtype)
 
 
+# rows up to which a step may run o_proj with its norm tail (ops.splitk_norm): the counters' size
+O_PROJ_NORM_MAX_TOKENS = 256
+
+
 class KimiModel:
     """The target: embed -> [attn + (dense MLP | MoE)] x N -> norm -> lm_head, with aux capture.
 
@@ -517,6 +526,11 @@ class KimiModel:
         # ... and such a layer's end (combine_add) runs in the epilogue of its shared expert's down GEMM
         # (ops.swiglu.gemm_bf16_swiglu_combine: one launch fewer, the same bits); False: combine_add
         self.combine_in_shared = True
+        # ... and o_proj's GEMM runs the residual-add norm after it in its last programs
+        # (ops.splitk_norm, one launch fewer): "auto" where the tuned files say it pays at every decode
+        # and verify size (ops.splitk_norm.fused_pays), True always (up to the counters' rows), False never
+        self.o_proj_norm = "auto"
+        self.o_proj_counters = None       # its ticket counters: allocated once, below (triton, world size 1)
         self.capture_ids = tuple(capture_ids) if capture_ids is not None else cfg.capture_layer_ids
         for i in self.capture_ids:
             if not 1 <= i <= cfg.num_hidden_layers:
@@ -543,6 +557,10 @@ class KimiModel:
         self.lm_head = Linear("lm_head", head, backend, dtype, dev)
         self.rope_scaling = rope_scaling_dict(cfg.rope_scaling)
         self.rope = RopeTable(cfg.qk_rope_head_dim, cfg.rope_theta, self.rope_scaling, dev)
+        if backend == "triton" and self.comm.world == 1:
+            from ops.splitk_norm import counters_for
+
+            self.o_proj_counters = counters_for(O_PROJ_NORM_MAX_TOKENS, cfg.hidden_size, dev)
 
     @property
     def hidden_size(self) -> int:
@@ -582,7 +600,7 @@ class KimiModel:
             if i in self.capture_ids:                         # the residual stream entering layer i: the
                 caps[i] = h                                   # norms write each new sum to a new tensor
             if self.comm.world == 1:      # triton: o_proj's split-K partials, summed by the norm below
-                a = attn(x, cos, sin, cache, i, ctx, partials=fuse, x_norm=x_norm)
+                a = attn(x, cos, sin, cache, i, ctx, partials=self._o_proj_partials(fuse), x_norm=x_norm)
             else:
                 a = self.comm.all_reduce(attn(x, cos, sin, cache, i, ctx))    # row-parallel o_proj: sum the ranks
             nxt = self.layers[i + 1][0] if i + 1 < N else self.norm
@@ -603,6 +621,13 @@ class KimiModel:
         logits = self.comm.gather_last(self.lm_head(x).float()).view(B, QL, -1)   # vocab-parallel head
         aux = torch.cat([caps[i] for i in self.capture_ids], -1).view(B, QL, -1) if self.capture_ids else None
         return StepOutput(logits, aux, h)
+
+    def _o_proj_partials(self, fuse: bool) -> bool | NormTail:
+        """What the attention returns at world size 1: o_proj as a PendingGemm that the next norm
+        runs (with its tail where `o_proj_norm` says so), or its split-K partials (`fuse`), or rows."""
+        if fuse and self.o_proj_norm is not False and self.o_proj_counters is not None:
+            return NormTail(self.o_proj_counters, self.o_proj_norm)
+        return fuse
 
     def forward(self, cache: LatentCache, batch: Sequence[tuple[int, Sequence[int]]],
                 keep_hidden: bool = False, trees: Optional[Sequence[Optional[tuple]]] = None) -> TargetOutput:

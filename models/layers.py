@@ -10,6 +10,8 @@ Backends:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Optional
 
 import torch
@@ -116,6 +118,54 @@ def _norm_input(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return x if is_partials(x, residual) else x.to(torch.bfloat16).contiguous()
 
 
+@dataclass(frozen=True)
+class NormTail:
+    """How an output GEMM may hand its residual-add norm to its own last programs: the call site's
+    ticket counters (zeroed once, left at 0 by every launch) and `fuse`: True, False or "auto"
+    (ops.splitk_norm.fused_pays: by the tuned files, one answer for every decode and verify size)."""
+    counters: torch.Tensor
+    fuse: bool | str = "auto"
+
+
+class PendingGemm:
+    """An output GEMM not run yet: rows x [T, K] bf16 @ w [D, K]^T (o_proj at world size 1). The
+    residual-add norm that reads it (RMSNorm.add_norm / add_norm_quant) runs it: in one launch with
+    its own tail (ops.splitk_norm.gemm_splitk_add_norm, "the last program finishes") where `fuse`
+    says so, else as gemm_bf16_splitk partials and the partials' norm (the two-launch chain, the same
+    bits on the interpreter), as `tail` (NormTail) says."""
+
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, tail: NormTail):
+        self.x, self.w, self.counters, self.fuse = x, w, tail.counters, tail.fuse
+
+    def fused(self, quant: bool) -> bool:
+        from ops.splitk_norm import counters_needed, fused_config, fused_pays
+
+        M, K = self.x.shape
+        D = self.w.shape[0]
+        if self.fuse is False or M < 1:
+            return False
+        if self.fuse == "auto":
+            from kdsl.targets import current_target
+
+            if not fused_pays(current_target().name, D, K, quant, M):
+                return False
+        return counters_needed(M, D, fused_config(M, D, K, quant)) <= self.counters.numel()
+
+    def partials(self) -> torch.Tensor:
+        from ops.gemm import gemm_bf16_splitk
+
+        return gemm_bf16_splitk(self.x, self.w)
+
+    def add_norm(self, norm: "RMSNorm", residual: torch.Tensor, quant: bool) -> Optional[tuple]:
+        """The fused launch's tuple (that of rms_norm(_quant) with `residual`), or None: run the chain."""
+        if not self.fused(quant):
+            return None
+        from ops.splitk_norm import gemm_splitk_add_norm
+
+        return gemm_splitk_add_norm(self.x, self.w, residual.to(torch.bfloat16), norm.w, norm.eps, self.counters,
+                                    quant, backend="triton")
+
+
 class RMSNorm:
     def __init__(self, w: torch.Tensor, eps: float, backend: str = "torch", dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
@@ -141,7 +191,12 @@ class RMSNorm:
         residual's dtype either way. `residual` is only read: carry the returned sum on (on triton
         the launch writes it to a new tensor, no copy launch). On triton x may be the f32 split-K
         partials [S, *residual.shape] of the layer's output GEMM (`is_partials`): the launch adds them
-        in split order and rounds to bf16 first."""
+        in split order and rounds to bf16 first; or a `PendingGemm`, run here."""
+        if isinstance(x, PendingGemm):
+            done = x.add_norm(self, residual, quant=False)
+            if done is not None:
+                return done
+            x = x.partials()
         if self.backend == "torch" or x.numel() == 0:
             if is_partials(x, residual):
                 from ops.gemm import splitk_sum_ref
@@ -159,8 +214,14 @@ class RMSNorm:
         """Triton only: (int8 q, f32 scale, normed bf16, residual + x) of `add_norm(x, residual)` in
         one launch (ops.norm.rms_norm_quant, the rmsnorm_add_quant kernel): the per-token int8
         activations a W4A8 consumer reads, bit-equal to quantizing the normed rows (x may be split-K
-        partials, as in `add_norm`)."""
+        partials or a `PendingGemm`, as in `add_norm`)."""
         from ops.norm import rms_norm_quant
+
+        if isinstance(x, PendingGemm):
+            done = x.add_norm(self, residual, quant=True)
+            if done is not None:
+                return done
+            x = x.partials()
 
         return rms_norm_quant(_norm_input(x, residual), self.w, self.eps, residual=residual, backend="triton")
 

@@ -192,6 +192,24 @@ def _splitk_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
     return {"S": s, "KS": -(-(-(-p["K"] // s)) // bk) * bk}
 
 
+def _splitk_norm_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    """ops.splitk_norm's launch dims: the split of gemm_bf16_splitk and the ticket counters it uses."""
+    from ops.splitk_norm import counters_needed
+
+    return {**_splitk_derived(p, m, c), "C": counters_needed(max(1, m), p["D"], c),
+            "BM": int(c.get("BLOCK_M", 16)), "BN": int(c.get("BLOCK_N", 64))}
+
+
+def _splitk_norm_tail(p: Problem, m: int, d: Problem, qb: int) -> tuple[float, int]:
+    """The serial work after the grid (bytes one program moves, tickets drawn in sequence): the last
+    column tile's fix-up (S f32 partial tiles + residual in, res_out out) and then the last M tile's
+    row-wide norm (res_out rows + norm weight in, out (+ q, scale) out), one ticket before each."""
+    rows = min(max(1, m), d["BM"])
+    fixup = rows * d["BN"] * (4 * d["S"] + 2 + 2)
+    norm = rows * p["D"] * (2 + 2 + qb) + p["D"] * 2 + 4 * rows * qb
+    return float(fixup + norm), 2
+
+
 def _rmsnorm_split(p: Problem, c: dict[str, Any]) -> Problem:
     """gemm_bf16_rmsnorm's output partial count P (= SPLIT_K) and KS, the K elements of one split."""
     d = _splitk_derived(p, 0, {"SPLIT_K": 1, **c})
@@ -238,6 +256,18 @@ MODELS: list[ProblemModel] = [
                  flops_fn=lambda p, m: 2.0 * m * p["N"] * p["I"] + (p["TOPK"] + 2.0) * m * p["N"],
                  derived=lambda p, m, c: {"N2": 2 * p["I"], **_topk_derived(p, m, c)},
                  shared_numerics=True, launch_keys=("BLOCK_M", "N_TILES")),
+    # gemm_bf16_splitk with the residual-add norm tail of rmsnorm_add(_quant)_splitk in its last
+    # programs (ops.splitk_norm): the GEMM's bytes plus residual, norm weight, res_out (+ q, scale);
+    # the partials written and read back once and res_out read back by the row tail are extra; the
+    # tail's serial work after the grid is `tail_fn`
+    *(ProblemModel(name, ("D", "K"), peak_dtype="bf16", loop_dim="KS", shared_numerics=True,
+                   bytes_fn=lambda p, m, qb=qb: (p["D"] * p["K"] * 2 + m * p["K"] * 2 + p["D"] * 2
+                                                 + m * p["D"] * (2 + 2 + 2 + qb) + (4 * m if qb else 0)),
+                   flops_fn=lambda p, m: 2.0 * m * p["D"] * p["K"] + (8.0 + 4) * m * p["D"],
+                   derived=_splitk_norm_derived,
+                   extra_bytes_fn=lambda p, m, d: 2.0 * d["S"] * m * p["D"] * 4 + m * p["D"] * 2,
+                   tail_fn=lambda p, m, d, qb=qb: _splitk_norm_tail(p, m, d, qb))
+      for name, qb in (("gemm_bf16_splitk_norm", 0), ("gemm_bf16_splitk_norm_quant", 1))),
     ProblemModel("gemm_bf16*", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],
                  flops_fn=_gemm(2, 2, "bf16")[1], shared_numerics=True),
     ProblemModel("gemm_fp8*", ("N", "K"), peak_dtype="fp8", bytes_fn=_gemm(1, 1, "fp8")[0],

@@ -362,6 +362,24 @@ def test_costmodel_splitting_m_does_not_buy_weight_bandwidth():
     assert two["terms"]["memory_us"] == pytest.approx(one["terms"]["memory_us"], rel=0.01)
 
 
+def test_costmodel_charges_a_serial_tail_after_the_grid():
+    """A "last program finishes" tail runs once, after the grid, in one program: its tickets in
+    sequence plus its bytes at one program's share of HBM (more warps, more bandwidth), added to the
+    grid's time; no tail, no term."""
+    rep = {"ok": True, "matrix_instructions": {}, "matrix_in_main_loop": 0, "valu_instructions": 100,
+           "valu_in_main_loop": 10, "num_warps": 8, "occupancy": 4, "spills": 0}
+    t = get_target("gfx942")
+    plain = costmodel.predict(rep, t, 112, 28, 8e6, 1e7, "bf16")
+    tail = costmodel.predict(rep, t, 112, 28, 8e6, 1e7, "bf16", tail_bytes=50e3, tail_tickets=2)
+    one_program_gbps = t.hbm_gbps * 8 / (t.cu_count * t.simd_per_cu)
+    want = 2 * costmodel.TICKET_US["gfx942"] + 50e3 / (one_program_gbps * 1e3)
+    assert tail["terms"]["tail_us"] == pytest.approx(want, rel=1e-3)
+    assert tail["predicted_us"] == pytest.approx(plain["predicted_us"] + want, rel=1e-3)
+    assert "tail_us" not in plain["terms"]
+    wide = costmodel.predict({**rep, "num_warps": 16}, t, 112, 28, 8e6, 1e7, "bf16", tail_bytes=50e3, tail_tickets=2)
+    assert wide["terms"]["tail_us"] < tail["terms"]["tail_us"]
+
+
 def test_shared_numerics_picks_one_tile_for_every_bucket(monkeypatch):
     """A kernel whose batch-invariant launches read their numerics keys from the M=1 entry gets one
     numerics tile, the one with the least summed slowdown over the buckets (not the M=1 favourite),

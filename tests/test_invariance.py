@@ -287,6 +287,42 @@ def test_residual_chain_rows_batch1_equal_batch8(arch: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+@pytest.mark.parametrize("quant", [False, True])
+def test_o_proj_norm_tail_rows_batch1_equal_batch8(arch: str, quant: bool) -> None:
+    """o_proj with the residual-add norm in its last programs (ops.splitk_norm) at the arch's
+    invariant config (one numerics choice at every M): a row alone gives the bits it gives in a batch
+    of 8, and the bits of the two-launch chain at that split and tile."""
+    from ops import norm, splitk_norm as sn
+
+    trim = lambda c: {k: v for k, v in c.items() if k not in ("matrix_instr_nonkdim", "kpack", "waves_per_eu")}  # noqa: E731
+    kern = sn.KERNELS[quant]
+    cs = [trim(invariant_config(kern, {"D": 7168, "K": 8192}, m, None, arch=arch)) for m in (1, 8, 128)]
+    assert all(_numerics(c, kern) == _numerics(cs[0], kern) for c in cs)
+    cfg = cs[0]
+    S = cfg["SPLIT_K"]
+    g = torch.Generator().manual_seed(11)
+    M, D = 8, 96
+    K = cfg["BLOCK_K"] * S - 24  # a short last split
+    o = torch.randn(M, K, generator=g).bfloat16()
+    wo = (torch.randn(D, K, generator=g) * 0.1).bfloat16()
+    res = torch.randn(M, D, generator=g).bfloat16()
+    wn = (torch.rand(D, generator=g) + 0.5).bfloat16()
+    counters = sn.counters_for(M, D, "cpu")
+
+    def fused(rows: slice):
+        return sn.gemm_splitk_add_norm(o[rows], wo, res[rows], wn, 1e-6, counters, quant, config=cfg)
+
+    a8, a1 = fused(slice(0, 8)), fused(slice(3, 4))
+    for t8, t1 in zip(a8, a1):
+        assert torch.equal(t1[0], t8[3])
+    part = gemm.gemm_bf16_splitk(o, wo, config=cfg)
+    chain = (norm.rms_norm_quant if quant else norm.rms_norm)(part, wn, 1e-6, residual=res)
+    for a, b in zip(a8, chain):
+        assert torch.equal(a, b)
+    assert not counters.any()
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_swiglu_rows_batch1_equal_batch8(arch: str) -> None:
     """The shared expert's down GEMM over split-K partials: each batch size runs its own bucket's
     BLOCK_M and N_TILES (launch-only) with the M=1 entry's numerics tile, and a row's bits are the

@@ -72,6 +72,32 @@ def test_barrier_compiles(arch, mnemonic):
     assert mnemonic in aot.asm(a_store_barrier_reload, arch)
 
 
+@kd.kernel(example={"N": 256, "C": 1})
+def a_last_program_sum(x: kd.In["N", kd.f32], part: kd.Out["N", kd.f32], counters: kd.InOut["C", kd.i32],
+                       out: kd.Out["N", kd.f32]):
+    n, = kd.grid(kd.tile("N", block=64))
+    part[n] = x[n] * 2.0
+    t = kd.atomic_ticket(counters, [0])
+    kd.exit_if(t != kd.cdiv(kd.dim("N"), 64) - 1)
+    counters[0] = 0
+    nn = kd.arange(64)
+    out[nn] = part[nn]
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950", "sm90"])
+def test_ticket_waits_for_every_waves_stores_then_releases_and_acquires(arch):
+    """kd.atomic_ticket: each thread's own store wait, a workgroup barrier, then one acq_rel atomic at
+    gpu (agent) scope: AMD writes L2 back before it and invalidates after it; NVIDIA atom.acq_rel.gpu."""
+    a = aot.asm(a_last_program_sum, arch)
+    if arch == "sm90":
+        seq = ["st.global", "fence.acq_rel.gpu", "bar.sync", "atom.global.gpu.acq_rel.add"]
+    else:
+        seq = ["_store_dword", "s_waitcnt vmcnt(0)", "s_barrier", "buffer_wbl2", "global_atomic_add", "buffer_inv"]
+    pos = 0
+    for want in seq:
+        pos = a.index(want, pos)
+
+
 def test_lds_over_limit_is_not_ok():
     cfg = {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 256, "num_stages": 2, "num_warps": 8}   # 160 KiB of tiles
     r = aot.report(a_gemm_bf16, "gfx942", cfg, {"M": 512, "N": 512, "K": 1024})

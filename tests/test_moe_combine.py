@@ -273,6 +273,8 @@ def test_model_fused_moe_half_equals_unfused_chain(tmp_path_factory):
     """KimiModel.step on triton (interpreter): the fused MoE half (rms_norm_quant in place ->
     experts with pre-quantized rows and partial rows -> combine_norm) against the same model
     forced onto the unfused chain (add_norm -> fused_experts -> moe_sum_ids -> + shared -> add_norm).
+    The fused model also runs o_proj with the residual-add norm in its last programs
+    (o_proj_norm=True), the chain gemm_bf16_splitk + rmsnorm_add_splitk.
     Logits and aux captures agree bit for bit (the fused kernels keep every rounding); the aux
     captures are the residual entering each layer, untouched by the in-place norms after them.
     The default model (MoE layers ending with combine_add's work in the shared expert's down GEMM,
@@ -294,7 +296,9 @@ def test_model_fused_moe_half_equals_unfused_chain(tmp_path_factory):
     ids = tuple(i for i in tk.config.capture_layer_ids)
     fused = KimiModel(tk, backend="triton", capture_ids=ids)
     fused.norm_in_gemm = False                               # every MoE layer ends with combine_norm
+    fused.o_proj_norm = True                                 # o_proj runs the norm after it (ops.splitk_norm)
     plain = KimiModel(tk, backend="triton", capture_ids=ids)
+    plain.o_proj_norm = False                                # o_proj's partials, then the norm's launch
     for (_, _, _, mlp) in plain.layers:
         if hasattr(mlp, "fused_block"):
             mlp.fused_block = lambda *a, **k: None           # the unfused chain, same kernels otherwise
@@ -305,6 +309,7 @@ def test_model_fused_moe_half_equals_unfused_chain(tmp_path_factory):
     for m in (fused, plain, raw):
         c = m.new_cache(2, 16)
         outs.append(m.forward(c, [(0, toks[0]), (1, toks[1])], keep_hidden=True))
+    assert not fused.o_proj_counters.any()                  # every launch left its tickets at 0
     for a, b in zip(outs[0].logits, outs[1].logits):
         assert torch.equal(a, b)
     for a, b in zip(outs[0].aux, outs[1].aux):

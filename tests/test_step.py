@@ -259,6 +259,12 @@ def test_meta_forward_records_the_step():
     assert layers[0] == 0 and layers[-1] is None and 1 in layers
     assert any(e["hit"] for e in rec.lookups)
     assert model.embed.device.type == "meta" and model.lm_head.dense.device.type == "meta"  # no weight memory
+    # o_proj with the residual-add norm (+ int8 quant) in its last programs: one launch fewer per layer
+    model.o_proj_norm = True
+    fused = [r.kernel.name for r in record_step(cfg, "w4a8", "gfx942", 1, 8192, 1, model, mode).launches]
+    assert fused.count("gemm_bf16_splitk_norm_quant") == 1 and fused.count("gemm_bf16_splitk_norm") == 1
+    assert "rmsnorm_add_quant_splitk" not in fused and "rmsnorm_add_splitk" not in fused
+    assert len(fused) == len(names) - 2
 
 
 def test_meta_forward_mxfp4_experts():
@@ -385,6 +391,8 @@ def test_tune_model_dry_run_lists_the_step_problems(capsys):
                  "moe_stage1_w4a8 E=384,K=7168,I=2048,TOPK=8", "moe_stage2_w4a8_pq E=384,H=7168,I=2048,TOPK=8",
                  "quant_per_token_int8 K=2048"):
         assert f"  {want}\n" in out
+    # both paths of o_proj's residual-add norm too (ops.splitk_norm.fused_pays reads both)
+    assert "  gemm_bf16_splitk_norm_quant D=7168,K=8192\n" in out and "  gemm_bf16_splitk_norm D=7168,K=8192\n" in out
 
 
 def test_ep_tuning_scores_the_ranks_share(capsys, tmp_path):
