@@ -551,13 +551,9 @@ class Emitter:
         # acquire orders the tail's later loads (kdsl.lang.atomic_ticket says why that suffices)
         backend = getattr(self.target, "backend", None)
         if backend in ("hip", "cuda"):
-            # every thread (so every wave) first waits for its own stores: s_barrier / bar.sync alone
-            # do not wait for other waves' outstanding global stores on AMD (kd.barrier emits no
-            # fence there), and the ticket's release below covers only the issuing thread's wave
-            fence = "s_waitcnt vmcnt(0)" if backend == "hip" else "fence.acq_rel.gpu;"
-            self.w(f'tl.inline_asm_elementwise("{fence}", "=r,r", [tl.full([], 0, tl.int32)], '
-                   'dtype=tl.int32, is_pure=False, pack=1)')
-            self.w("tl.debug_barrier()")
+            # every thread (so every wave) first waits for its own stores, then the workgroup barrier
+            # (_store_wait_barrier); the ticket's release below covers only the issuing thread's wave
+            self._store_wait_barrier("fence.acq_rel.gpu;")
         ptr = self.address(n.a.handle, n.a.indices, ())
         self.w(f'{n.results[0].name} = tl.atomic_add({ptr}, 1, sem="acq_rel", scope="gpu")')
 
@@ -566,7 +562,21 @@ class Emitter:
         self.w("    return")
 
     def op_barrier(self, n: Node) -> None:
-        # bar.sync on NVIDIA; on AMD the workgroup fences around s_barrier wait for the stores
+        # bar.sync alone orders the CTA's global stores before its later loads on NVIDIA; AMD's
+        # s_barrier waits for no memory operation, so each wave first waits for its own stores
+        if getattr(self.target, "backend", None) == "hip":
+            self._store_wait_barrier()
+        else:
+            self.w("tl.debug_barrier()")
+
+    def _store_wait_barrier(self, cuda_fence: str | None = None) -> None:
+        """Every thread waits for its own global stores (AMD `s_waitcnt vmcnt(0)`: the write-through L1
+        has handed them to L2, which all waves of the workgroup read through one L1; NVIDIA: the given
+        fence), then a workgroup barrier: after it, each wave's loads see every wave's earlier stores."""
+        fence = "s_waitcnt vmcnt(0)" if getattr(self.target, "backend", None) == "hip" else cuda_fence
+        if fence:
+            self.w(f'tl.inline_asm_elementwise("{fence}", "=r,r", [tl.full([], 0, tl.int32)], '
+                   'dtype=tl.int32, is_pure=False, pack=1)')
         self.w("tl.debug_barrier()")
 
     def op_fold(self, n: Node) -> None:
