@@ -13,7 +13,7 @@ from .types import (  # noqa: F401
     fp8e4m3fn, fp8e4m3fnuz, fp8e5m2, fp8e5m2fnuz,
 )
 from .lang import (  # noqa: F401
-    abs, arange, atomic_add, barrier, bitcast, broadcast, cast, cdiv, cos, dequant, dim, dot, each, exit_if, exp,
+    abs, arange, atomic_add, barrier, bitcast, compile_option, broadcast, cast, cdiv, cos, dequant, dim, dot, each, exit_if, exp,
     exp2, fold, full, full_range, grid, load, log, log2, max, maximum, min, minimum, nest, pad, require, rsqrt, sigmoid,
     silu, sin, span, sqrt, static, store, sum, tile, tiles, tunable, where, zeros,
 )
