@@ -13,9 +13,9 @@ from .types import (  # noqa: F401
     fp8e4m3fn, fp8e4m3fnuz, fp8e5m2, fp8e5m2fnuz,
 )
 from .lang import (  # noqa: F401
-    abs, arange, atomic_add, atomic_ticket, barrier, bitcast, broadcast, cast, cdiv, cos, dequant, dim, dot, each,
-    exit_if, exp, exp2, fold, full, full_range, grid, group_dot, load, log, log2, max, maximum, min, minimum, nest, pad,
-    require, rsqrt, sigmoid,
+    abs, arange, atomic_add, atomic_ticket, barrier, bitcast, broadcast, cast, cdiv, compile_option, cos, dequant, dim,
+    dot, each, exit_if, exp, exp2, fold, full, full_range, grid, group_dot, load, log, log2, max, maximum, min, minimum,
+    nest, pad, require, rsqrt, sigmoid,
     silu, sin, span, sqrt, static, store, sum, tile, tiles, tunable, where, zeros,
 )
 from .types import fp4_e2m1, e8m0, MX_GROUP  # noqa: F401  (OCP MX)

@@ -196,6 +196,7 @@ class TraceContext:
         self.dims: dict[str, Any] = {}
         self.operands: dict[str, OperandHandle] = {}
         self.used_config: set[str] = set()
+        self.option_requests: dict[str, Any] = {}  # kd.compile_option: launch options the kernel asks for
         self._names = itertools.count()
         self.auto_names: set[str] = set()  # names `fresh` gave out: a user variable's name avoids them
 

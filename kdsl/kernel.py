@@ -273,6 +273,7 @@ class Kernel:
         if sp is not None:
             return sp
         c = self._trace(target, full_tun, static, wide)
+        opts = self._requested_options(target, opts, c.option_requests)
         stats = run_passes(c.root, target, c.dims, kernel=self.name)
         full_tun = {n: c.config.get(n, s.default) for n, s in c.tunables.items()}
         header = [f"kdsl kernel {self.name} for {target.name}",
@@ -291,6 +292,20 @@ class Kernel:
                             constant=tuple(sorted(constant_indices(c.root).items())), lane_sums=lane_sums(c.root))
         self._specs[key] = sp
         return sp
+
+    def _requested_options(self, target: Target, opts: dict[str, Any], requests: dict[str, Any]) -> dict[str, Any]:
+        """The launch options with the kernel's `kd.compile_option` requests applied: each where the
+        config left the option at the target's default (another explicit value is a ConfigError)."""
+        opts = dict(opts)
+        for name, value in requests.items():
+            spec = target.option(name)
+            if spec is None:
+                continue  # the interpreter, or an option of another backend
+            if opts[name] not in (spec.default, value):
+                raise ConfigError(self.name, name, f"the kernel asks for {name}={value!r} (kd.compile_option) in "
+                                  f"this specialization; the config sets {opts[name]!r}")
+            opts[name] = value
+        return opts
 
     def source(self, config: dict[str, Any] | None = None, target: str | Target = "interpret",
                static: dict[str, int] | None = None, dims: dict[str, int] | None = None) -> str:

@@ -886,6 +886,28 @@ def exit_if(cond: Value) -> None:
     ctx().add("exit_if", [], cond=cond)
 
 
+def compile_option(name: str, value: Any) -> None:
+    """Ask the backend compiler for launch option `name` = `value` in this specialization, where a
+    tile's layout needs it: e.g. `matrix_instr_nonkdim=16`, the 16x16 matrix instructions that
+    spread 8 warps over a [64, 32] score tile one 16x16 block each where the compiler would pick
+    32x32 ones (2 blocks for 8 warps). It applies where the config leaves the option at the
+    target's default; a config that sets another value is an error, and so is a value the target
+    does not allow. On a target without the option (the interpreter; CUDA for an AMD option) it is
+    a no-op. Call it while tracing, typically under a tunable: `if pv_t: kd.compile_option(...)`."""
+    from .targets import TARGETS
+
+    c = ctx()
+    known = {o.name for t in TARGETS.values() for o in t.options}
+    if name not in known:
+        raise c.error(f"compile_option: unknown launch option {name!r}; known: {', '.join(sorted(known))}")
+    spec = c.target.option(name) if hasattr(c.target, "option") else None
+    if spec is not None and value not in spec.domain:
+        raise c.error(f"compile_option: {name}={value!r} is not allowed on {c.target.name}; allowed: {list(spec.domain)}")
+    if c.option_requests.get(name, value) != value:
+        raise c.error(f"compile_option: {name} asked for both {c.option_requests[name]!r} and {value!r}")
+    c.option_requests[name] = value
+
+
 def barrier() -> None:
     """A workgroup barrier: every thread of this program waits here until all have arrived, and the
     program's global-memory stores before it are visible to its loads after it, so a program can

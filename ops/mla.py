@@ -161,6 +161,14 @@ def _split_body(q, kv, block_table, seq_lens, tree, part, lse, sm_scale):
     # 16-row QK^T tile. With S^T = K.Q^T (KV_ROWS 1) the warps split the BLOCK_N tokens instead and
     # each holds only its share of the K tile (fewer VGPRs); the PV product is unchanged.
     kv_rows = kd.tunable("KV_ROWS", (0, 1), 1, "1: scores as S^T = K.Q^T (warps split KV tokens); 0: S = Q.K^T")
+    # Which side of the value product the probabilities take. Triton's AMD backend puts every warp
+    # on the rows of a score product whose result feeds the next product's A operand (see KV_ROWS):
+    # with O^T = V^T.P^T (PV_T 1) the scores feed the B operand instead, so the compiler spreads the
+    # warps over both score dims (each warp then reads only its share of the K tile from LDS) and
+    # over both dims of the value product.
+    pv_t = kd.tunable("PV_T", (0, 1), 0, "1: the value product as O^T = V^T.P^T (warps over both score dims)")
+    if pv_t:  # 16x16 blocks: a [64, 32] score tile is one block per warp of 8 (32x32 ones: 2 blocks for 8 warps)
+        kd.compile_option("matrix_instr_nonkdim", 16)
     H = kd.dim("H")
     QL = kd.static("QL")
     DL = kd.static("DL")
@@ -170,7 +178,17 @@ def _split_body(q, kv, block_table, seq_lens, tree, part, lse, sm_scale):
     dr = kd.full_range("DR")
     n_len = cached_len(seq_lens, b, kd.dim("MP"), PS)
     start, stop = split_range(n_len, split, QL, BN, kernel_max_splits(H))
-    ql = q[b, r, h, dl]
+    # The latent part of the score product in QK_BLOCK-column pieces chained through one
+    # accumulator (rope first, then the pieces in column order: the matrix instructions' order of
+    # the whole-width product, 0 = one piece). A piece's K tile is all a warp holds at a time, so
+    # the registers of the whole K row block are not live at once; the value tile is then loaded
+    # on its own (one extra, cache-hit read of the latent columns).
+    qkb = kd.tunable("QK_BLOCK", (0, 16, 32, 64, 128, 256), 0, "latent columns per piece of the score product (0 or "
+                     ">= the latent width: one piece)", search=(0, 64, 128, 256))
+    qkb = qkb if qkb < dl.size else 0
+    pieces = [dl] if not qkb else [kd.span(c0, qkb, limit=DL if DL < dl.size else None, label="DLc")
+                                   for c0 in range(0, dl.size, qkb)]
+    qls = [q[b, r, h, c] for c in pieces]
     qr = q[b, r, h, dr + DL]
     base = n_len - QL  # first new token's position
     wbase = n_len - kd.dim("TW") if tree is not None else base  # first position the tree mask covers
@@ -179,21 +197,23 @@ def _split_body(q, kv, block_table, seq_lens, tree, part, lse, sm_scale):
     def step(p, m_i, l_i, acc):
         page = block_table[b, p // PS]
         off = p % PS
-        kl = kv[page, off, dl]
         kr = kv[page, off, dr + DL]
-        vl = kl if whole else kv[page, off, dv]
-        if kv_rows:
-            s = (kd.dot(kl, ql) + kd.dot(kr, qr)) * qk_scale  # [BLOCK_N, BLOCK_M]
-        else:
-            s = (kd.dot(ql, kl) + kd.dot(qr, kr)) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = kd.dot(kr, qr) if kv_rows else kd.dot(qr, kr)  # [BLOCK_N, BLOCK_M] or [BLOCK_M, BLOCK_N]
+        for c, qc in zip(pieces, qls):
+            kc = kv[page, off, c]
+            s = kd.dot(kc, qc, s) if kv_rows else kd.dot(qc, kc, s)
+        s = s * qk_scale
+        vl = kc if whole and not qkb else kv[page, off, dv]
         m_new, l_new, alpha, pr = softmax_step(s, visible(p, r, base, wbase, stop, tree, b), m_i, l_i, p)
-        if pv_f32:
-            pv = kd.dot(pr, vl.to(kd.f32))
-        else:
-            pv = kd.dot(pr.to(kd.bf16), vl)
+        pa = pr if pv_f32 else pr.to(kd.bf16)
+        vb = vl.to(kd.f32) if pv_f32 else vl
+        pv = kd.dot(vb, pa) if pv_t else kd.dot(pa, vb)  # [DV, BLOCK_M] or [BLOCK_M, DV]
         return m_new, l_new, acc * alpha + pv
 
-    m_i, l_i, acc = kd.fold(kd.tiles(start=start, stop=stop, block=BN, label="N"), softmax_init(mrow, dv), step)
+    m0, l0, acc0 = softmax_init(mrow, dv)
+    if pv_t:
+        acc0 = kd.zeros((dv, mrow), kd.f32)
+    m_i, l_i, acc = kd.fold(kd.tiles(start=start, stop=stop, block=BN, label="N"), (m0, l0, acc0), step)
     if whole:
         store_split(part, lse, (b, r, h, split), dl, m_i, l_i, acc)
     else:

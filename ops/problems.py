@@ -349,7 +349,9 @@ def _paged_dims(p: Problem, m: int) -> Problem:
 
 
 def _mla_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
-    return {**_paged_dims(p, m), "QH": p["QL"] * p["H"], "DQ": p["DL"] + p["DR"]}
+    b = _batch(p, m)
+    mp = _table_capacity(p) // p["PS"]
+    return {"B": b, "MP": mp, "NP": b * mp, "QH": p["QL"] * p["H"], "DQ": p["DL"] + p["DR"]}
 
 
 def _split_chunk(ctx: int, s: int, bn: int, split_tokens: int = 0, max_splits: int = DEFAULT_MAX_SPLITS) -> int:
@@ -361,13 +363,34 @@ def _split_chunk(ctx: int, s: int, bn: int, split_tokens: int = 0, max_splits: i
     return math.ceil(math.ceil(ctx / s) / bn) * bn
 
 
+def _step_tokens(p: Problem) -> int:
+    """Tokens a sequence holds when the split kernel runs: the context and the step's QL new
+    tokens (appended first). A bench passes that as CTX (bench.step: ctx + q_len); the tuner's
+    nominal step is NOMINAL_CTX of context plus its QL new tokens."""
+    return int(p["CTX"]) if "CTX" in p else NOMINAL_CTX + int(p.get("QL", 1))
+
+
+def _table_capacity(p: Problem) -> int:
+    """Tokens the step's block table holds (the capacity `ops.mla.mla_decode` plans its splits
+    for): the sequence's tokens rounded up to whole pages."""
+    return -(-_step_tokens(p) // p["PS"]) * p["PS"]
+
+
 def _mla_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
-    """The split count `ops.mla.mla_decode` launches with (same call), and the tokens per split."""
+    """The split count `ops.mla.mla_decode` launches with (same call), and the tokens per split.
+    The op counts the table's capacity, and a step's table holds the context and the q_len new
+    tokens in pages of PS (bench.step's: 8192 + 1 -> 129 pages -> 8256 tokens -> 33 splits of 256,
+    as `_combine_uv_launch` counts); scoring at the context alone (32 splits) tunes for a grid the
+    step does not launch."""
     bm, bn = int(c.get("BLOCK_M", 16)), int(c.get("BLOCK_N", 32))
     st = int(c.get("SPLIT_TOKENS", 256))
     ms = max_splits_for(d["H"])
-    s = launch_split_count(_ctx(d), d["B"], d["QL"] * d["H"], bm, bn, st, target.cu_count, ms)
-    return {"S": s, "CHUNK": _split_chunk(_ctx(d), s, bn, st, ms)}
+    cap = _table_capacity(d)
+    s = launch_split_count(cap, d["B"], d["QL"] * d["H"], bm, bn, st, target.cu_count, ms)
+    # ops.mla.split_range: fixed chunks from the first new row's context (the tokens less QL - 1),
+    # or (SPLIT_TOKENS 0) the sequence's tokens cut into S
+    n = _step_tokens(d)
+    return {"S": s, "CHUNK": _split_chunk(n - d["QL"] + 1 if st else n, s, bn, st, ms)}
 
 
 def _decode_ref(p: Problem) -> Problem:

@@ -39,9 +39,11 @@ def test_mla_launch_dims_match_the_op(arch: str, ql: int, m: int) -> None:
     # batch-invariant (the default, SPLIT_TOKENS 256): fixed chunks of the context, whatever B and q_len
     cfg = {"BLOCK_M": 32, "BLOCK_N": 64}
     d = P.full_dims(mla.mla_decode_split, {**KIMI_MLA, "QL": ql}, m, cfg, t)
-    assert (d["B"], d["QH"], d["DQ"], d["MP"]) == (b, 64 * ql, 576, P.NOMINAL_CTX // 64)
-    assert d["S"] == mla.launch_split_count(P.NOMINAL_CTX, b, ql * 64, 32, 64, 256, t.cu_count)
-    assert d["S"] == mla.invariant_splits(P.NOMINAL_CTX, 256) == P.NOMINAL_CTX // 256
+    # the step's table holds the context and the q_len new tokens: 8192 + q_len -> 129 pages of 64
+    cap = math.ceil((P.NOMINAL_CTX + ql) / 64) * 64
+    assert (d["B"], d["QH"], d["DQ"], d["MP"]) == (b, 64 * ql, 576, cap // 64)
+    assert d["S"] == mla.launch_split_count(cap, b, ql * 64, 32, 64, 256, t.cu_count, mla.max_splits_for(64))
+    assert d["S"] == mla.invariant_splits(cap, 256, mla.max_splits_for(64)) == P.NOMINAL_CTX // 256 + 1
     # ops.mla.split_range: SPLIT_TOKENS, or (context + MAX_Q_LEN - 1) / max_splits rounded up to
     # BLOCK_N when that is longer (64 heads: 64 splits; 8199 / 64 -> 129 -> 192 at ctx 8192, under 256)
     assert mla.max_splits_for(64) == 64
@@ -51,16 +53,17 @@ def test_mla_launch_dims_match_the_op(arch: str, ql: int, m: int) -> None:
     # SPLIT_TOKENS 0: the CU-derived split count; each split walks cdiv(ctx, S) rounded up to BLOCK_N
     cfg0 = {**cfg, "SPLIT_TOKENS": 0}
     d = P.full_dims(mla.mla_decode_split, {**KIMI_MLA, "QL": ql}, m, cfg0, t)
-    want = mla.num_splits([P.NOMINAL_CTX] * b, ql, 64, 32, cu_count=t.cu_count, block_n=64)
+    want = mla.num_splits([cap] * b, ql, 64, 32, cu_count=t.cu_count, block_n=64, max_splits=mla.max_splits_for(64))
     assert d["S"] == want
-    assert d["CHUNK"] == math.ceil(math.ceil(P.NOMINAL_CTX / want) / 64) * 64
+    assert d["CHUNK"] == math.ceil(math.ceil((P.NOMINAL_CTX + ql) / want) / 64) * 64
     assert P.loop_iters(mla.mla_decode_split, d, cfg0) == d["CHUNK"] // 64
 
 
-@pytest.mark.parametrize("heads, splits", [(8, 64), (16, 64), (32, 64), (64, 64), (128, 32)])
+@pytest.mark.parametrize("heads, splits", [(8, 65), (16, 65), (32, 65), (64, 64), (128, 32)])
 def test_mla_split_cap_follows_the_heads(heads: int, splits: int) -> None:
     """Fewer heads per rank (TP8: 8) may cut the context into more splits (up to MAX_SPLITS): the
-    partials a row writes (heads x splits) stay under MAX_SPLIT_ROWS. SPLIT_TOKENS 128 at 8k."""
+    partials a row writes (heads x splits) stay under MAX_SPLIT_ROWS. SPLIT_TOKENS 128 at 8k (a
+    table of 8192 + 1 tokens: 129 pages, 65 chunks of 128 where the cap allows)."""
     t = get_target("gfx942")
     assert mla.max_splits_for(heads) == min(mla.MAX_SPLITS, mla.MAX_SPLIT_ROWS // heads)
     cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_TOKENS": 128}

@@ -76,8 +76,9 @@ def test_paged_mha_decode_bad_block_table(name: str, bad: int | None) -> None:
     torch.testing.assert_close(out[:1].double(), ref, **TOL)
 
 
+@pytest.mark.parametrize("cfg", [{"BLOCK_N": 16}, {"BLOCK_N": 16, "PV_T": 1, "QK_BLOCK": 16}])
 @pytest.mark.parametrize("name,bad", BAD_PAGES)
-def test_mla_decode_bad_block_table(name: str, bad: int | None) -> None:
+def test_mla_decode_bad_block_table(name: str, bad: int | None, cfg: dict) -> None:
     g = torch.Generator().manual_seed(2)
     B, QL, H, DL, DR, PS, S = 3, 1, 4, 32, 16, 8, 2
     lens = [9, 17, 20]
@@ -89,7 +90,7 @@ def test_mla_decode_bad_block_table(name: str, bad: int | None) -> None:
     sl = torch.tensor(lens, dtype=torch.int32)
     part, pbuf = guarded(torch.full((B, QL, H, S, DL), float("nan")))
     lse, lbuf = guarded(torch.full((B, QL, H, S), float("nan")))
-    mla.mla_decode_split(q, kv, bt, sl, part, lse, SCALE, QL * H, DR, config={"BLOCK_N": 16})
+    mla.mla_decode_split(q, kv, bt, sl, part, lse, SCALE, QL * H, DR, config=cfg)
     assert guards_intact(pbuf, B) and guards_intact(lbuf, B) and guards_intact(kvbuf, npages)
     assert part.isfinite().all() and not lse.isnan().any(), "a stray read of a poisoned page reached the output"
     out = torch.empty(B, QL, H, DL, dtype=torch.bfloat16)

@@ -230,3 +230,35 @@ def test_tunable_search_values_are_a_part_of_the_domain():
     assert c.tunables["PV"].searched() == (0,)
     with pytest.raises(TraceError, match="search values"):
         trace(lambda o: kd.tunable("ST", (0, 64), 64, search=(64, 256)))
+
+
+def test_compile_option_sets_the_launch_option_of_its_specialization():
+    """kd.compile_option asks the compiler for a launch option where a tile needs it: applied where
+    the config leaves the default, an error against another explicit value, an unknown name or a
+    value the target does not allow; a no-op on the interpreter."""
+    from kdsl import ConfigError
+
+    @kd.kernel(example={"M": 64, "N": 32})
+    def opt_copy(x: kd.In["M", "N", kd.f32], out: kd.Out["M", "N", kd.f32]):
+        m, n = kd.grid(kd.tile("M", "BLOCK_M", domain=(64,), default=64), kd.tile("N", "BLOCK_N", domain=(32,), default=32))
+        if kd.tunable("SMALL_MMA", (0, 1), 0, "16x16 matrix instructions"):
+            kd.compile_option("matrix_instr_nonkdim", 16)
+        out[m, n] = x[m, n]
+
+    assert opt_copy.specialize({"SMALL_MMA": 1}, "gfx942").options["matrix_instr_nonkdim"] == 16
+    assert opt_copy.specialize({"SMALL_MMA": 0}, "gfx942").options["matrix_instr_nonkdim"] == 0
+    assert opt_copy.specialize({"SMALL_MMA": 1, "matrix_instr_nonkdim": 16}, "gfx950").options["matrix_instr_nonkdim"] == 16
+    with pytest.raises(ConfigError, match="kd.compile_option"):
+        opt_copy.specialize({"SMALL_MMA": 1, "matrix_instr_nonkdim": 32}, "gfx942")
+    from kdsl.options import backend_options
+
+    interp = get_target("interpret")  # the interpreter hands no option to its launch
+    assert backend_options("opt_copy", interp, opt_copy.specialize({"SMALL_MMA": 1}, interp).options) == {}
+
+    def bad(name, value):
+        def body(o):
+            kd.compile_option(name, value)
+        return body
+
+    with pytest.raises(TraceError, match="unknown launch option"):
+        trace(bad("matrix_instr_nonkdm", 16))

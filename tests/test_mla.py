@@ -249,6 +249,34 @@ def test_dl_split_is_bit_identical(q_len: int, tree: bool, cfg: dict, monkeypatc
         _split_run(q, kv, bt, lens_t, tm, S, {**cfg, "DL_SPLIT": 8}, dl)
 
 
+@pytest.mark.parametrize("kv_rows", [0, 1])
+def test_qk_block_pieces_and_pv_t_match_the_plain_products(kv_rows: int) -> None:
+    """PV_T computes the value product transposed (O^T = V^T.P^T, the same sums per element).
+    QK_BLOCK cuts the latent part of the score product into pieces chained through one
+    accumulator, rope first (on the device the matrix instructions of the whole-width product in
+    their order; the interpreter adds each piece's product to the accumulator, so only to f32
+    rounding here): at DL_SPLIT 1 (the value tile then loaded on its own) and 2 the partials and
+    lse agree with the whole product's, and the combine matches the reference."""
+    dl, S = 128, 2
+    lens = [3, 70]
+    q, kv, bt, lens_t = _setup(lens, 1, seed=41 + kv_rows, heads=2, dl=dl)
+    ref = mla.mla_decode_ref(q, kv, bt, lens_t, SCALE, dl)
+    for dls, extra in ((1, {"QK_BLOCK": 64}), (2, {"QK_BLOCK": 64}), (1, {"PV_T": 1}), (2, {"PV_T": 1, "QK_BLOCK": 64})):
+        cfg = {"BLOCK_N": 16, "KV_ROWS": kv_rows, "SPLIT_TOKENS": 0, "DL_SPLIT": dls, "PV_F32": 1}
+        whole = _split_run(q, kv, bt, lens_t, None, S, cfg, dl)
+        piece = _split_run(q, kv, bt, lens_t, None, S, {**cfg, **extra}, dl)
+        for a, b in zip(piece, whole):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        out = poisoned((len(lens), 1, 2, dl), torch.float32)
+        mla.mla_decode_combine_f32(*piece, out, 2)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # a piece as wide as the latent tile is the whole product, bit for bit
+    cfg = {"BLOCK_N": 16, "KV_ROWS": kv_rows}
+    for a, b in zip(_split_run(q, kv, bt, lens_t, None, S, {**cfg, "QK_BLOCK": 128}, dl),
+                    _split_run(q, kv, bt, lens_t, None, S, cfg, dl)):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 def test_kernels_write_every_element() -> None:
     q, kv, bt, lens = _setup([5, 30], 1, seed=7)
     S = 8  # more splits than the short sequence has tokens: empty splits must still write
@@ -372,3 +400,20 @@ def test_aot_dl_split_keeps_the_matrix_instructions(arch: str) -> None:
         assert one.ok and four.ok and four.spills == 0
         assert set(four.matrix_instructions) == set(one.matrix_instructions)
         assert four.lds_slot_bytes_in_main_loop < one.lds_slot_bytes_in_main_loop
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+def test_aot_qk_block_frees_registers() -> None:
+    """At the Kimi shape with 8 warps and the whole value tile (DL_SPLIT 1) the whole-width score
+    product keeps a K row block of 512 columns live (at the edge of gfx950's 256 VGPRs: a spill at
+    some problem dims); in 128-column pieces it needs fewer registers, with the same matrix
+    instructions (each score's chain over k is unchanged)."""
+    from kdsl import aot
+
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 16, "KV_ROWS": 0, "num_warps": 8, "num_stages": 1}
+    whole = aot.report(mla.mla_decode_split, "gfx950", cfg)
+    piece = aot.report(mla.mla_decode_split, "gfx950", {**cfg, "QK_BLOCK": 128})
+    assert whole.ok and piece.ok and piece.spills == 0
+    assert piece.vgpr + piece.agpr < whole.vgpr + whole.agpr
+    assert piece.matrix_instructions == whole.matrix_instructions

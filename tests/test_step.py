@@ -536,3 +536,28 @@ def test_layer_weights_stand_for_every_layer_once():
     assert [w(i) for i in range(3)] == [1.0, 30.0, 30.0]
     w = layer_weights(4, 1, 4)  # nothing to scale
     assert [w(i) for i in range(4)] == [1.0] * 4
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+@pytest.mark.parametrize("batch, q_len", [(1, 1), (2, 4)])
+def test_mla_split_launch_the_step_records_is_the_one_the_tuner_scores(arch, batch, q_len):
+    """The tuner scores mla_decode_split at the nominal context; the step at that context launches
+    over a table that also holds its q_len new tokens (8192 + q_len -> 129 pages -> 33 splits of
+    256, not 32). The problem model's split count, table width and grid must be the recorded ones,
+    both as the tuner sees the problem (no CTX) and as bench.step scores it (CTX = ctx + q_len)."""
+    from autotune.problems import NOMINAL_CTX, full_dims, m_of, strip_m
+    from bench.meta_model import HostShadowMode
+    from bench.step import load_model_config, record_step
+
+    cfg = load_model_config("kimi-k2.5", layers=1)
+    rec = record_step(cfg, "w4a8", arch, batch, NOMINAL_CTX, q_len, mode=HostShadowMode())
+    r = next(r for r in rec.launches if r.kernel.name == "mla_decode_split")
+    k, t = r.kernel, get_target(arch)
+    m = m_of(k, r.dims)
+    assert m == batch * q_len and r.dims["S"] == 33
+    for prob in (strip_m(k, r.dims), {**strip_m(k, r.dims), "CTX": NOMINAL_CTX + q_len}):
+        static = {d: v for d, v in full_dims(k, prob, m, None, t).items() if d in k.static}
+        sp = k.specialize(dict(r.config), t, static)
+        d = full_dims(k, prob, m, sp.config, t)
+        assert {x: d[x] for x in ("B", "QL", "H", "MP", "S")} == {x: r.dims[x] for x in ("B", "QL", "H", "MP", "S")}
+        assert sp.grid_size(d) == tuple(r.grid)
