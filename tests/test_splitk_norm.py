@@ -93,11 +93,11 @@ def test_op_matches_torch_backend_and_checks_its_counters() -> None:
 
 def test_ticket_is_checked_by_the_verifier() -> None:
     @kd.kernel(example={"N": 16, "C": 2})
-    def bad(x: kd.In["N", kd.f32], counters: kd.InOut["C", kd.f32]):
+    def a_ticket_on_f32(x: kd.In["N", kd.f32], counters: kd.InOut["C", kd.f32]):
         kd.atomic_ticket(counters, [0])
 
     with pytest.raises(TraceError, match="i32"):
-        bad(torch.zeros(16), torch.zeros(2))
+        a_ticket_on_f32(torch.zeros(16), torch.zeros(2))
 
 
 def test_fused_path_needs_tuned_figures() -> None:
