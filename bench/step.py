@@ -133,6 +133,20 @@ def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: i
     return [(k, {**p, **ep_share(k, p, ep)}, m) for k, p, m in probs]   # EP: tuned for the rank's share
 
 
+def _extendable(probs: list[tuple[Any, dict[str, Any], int]]) -> tuple[list, Any]:
+    """A copy of `probs` and an `add(kernel, problem, m)` that appends a (kernel, problem) not in it yet."""
+    seen = {(k.name, json.dumps(p, sort_keys=True)) for k, p, _ in probs}
+    out = list(probs)
+
+    def add(kern: Any, prob: dict[str, Any], m: int) -> None:
+        key = (kern.name, json.dumps(prob, sort_keys=True))
+        if key not in seen:
+            seen.add(key)
+            out.append((kern, prob, m))
+
+    return out, add
+
+
 def _with_stage2_quant_paths(probs: list[tuple[Any, dict[str, Any], int]]) -> list[tuple[Any, dict[str, Any], int]]:
     """`probs` plus the kernels of both W4A8 stage-2 quant paths ("amax" and "separate") at every
     routed-expert shape one of them launched: which path the model takes is chosen from the tuned
@@ -143,14 +157,7 @@ def _with_stage2_quant_paths(probs: list[tuple[Any, dict[str, Any], int]]) -> li
 
     paths = (W4A8_STAGES["amax"], W4A8_STAGES["separate"])
     stage_kernels = {k.name for pair in paths for k in pair}
-    seen = {(k.name, json.dumps(p, sort_keys=True)) for k, p, _ in probs}
-    out = list(probs)
-
-    def add(kern: Any, prob: dict[str, Any], m: int) -> None:
-        key = (kern.name, json.dumps(prob, sort_keys=True))
-        if key not in seen:
-            seen.add(key)
-            out.append((kern, prob, m))
+    out, add = _extendable(probs)
 
     for kern, prob, m in probs:
         if kern.name not in stage_kernels:
@@ -178,14 +185,7 @@ def _with_o_proj_tail_paths(probs: list[tuple[Any, dict[str, Any], int]], arch: 
 
     chain_norms = {rmsnorm_add_splitk.name: False, rmsnorm_add_quant_splitk.name: True}
     fused = {k.name: quant for quant, k in enumerate(KERNELS)}
-    seen = {(k.name, json.dumps(p, sort_keys=True)) for k, p, _ in probs}
-    out = list(probs)
-
-    def add(kern: Any, prob: dict[str, Any], m: int) -> None:
-        key = (kern.name, json.dumps(prob, sort_keys=True))
-        if key not in seen:
-            seen.add(key)
-            out.append((kern, prob, m))
+    out, add = _extendable(probs)
 
     splitk_k = {p["N"]: p["K"] for k, p, _ in probs if k.name == gemm_bf16_splitk_kernel.name}
     for kern, prob, m in probs:
