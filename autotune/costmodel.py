@@ -21,6 +21,9 @@ Simple on purpose, every term visible in `predict(...)["terms"]`:
 * MFMA and VALU of different waves overlap only when two or more waves actually share a SIMD:
   min(occupancy, waves the CU is given per SIMD); one program of 4 warps on a 4-SIMD CU adds them.
 * extra bytes (problem model: e.g. MLA split partials) add to the memory time, not to the floor.
+  Extra bytes a launch WRITES, each program its own part (`extra_written`: the split partials), are
+  not re-reads of shared bytes: they stream at the saturation of every program in flight, not only
+  of the programs that read distinct bulk bytes (the two shares' times add).
 * tail (a "last program finishes" launch, kd.atomic_ticket): work ONE program does after the grid,
   serially: its bytes at the bandwidth one program draws (the memory term's saturation rule at one
   program: warps / (CUs x SIMDs) of HBM) plus one ticket round trip (`TICKET_US`) per ticket drawn
@@ -134,12 +137,13 @@ def roofline_floor_s(target: Any, nbytes: float, flops: float, peak_dtype: str) 
 
 def predict(report: dict[str, Any], target: Any, programs: int, iters: int, nbytes: float, flops: float,
             peak_dtype: str, m_tiles: int = 1, m_bytes_fraction: float = 1.0, extra_bytes: float = 0.0,
-            tail_bytes: float = 0.0, tail_tickets: int = 0) -> dict[str, Any]:
+            tail_bytes: float = 0.0, tail_tickets: int = 0, extra_written: bool = False) -> dict[str, Any]:
     """Predicted time (µs) of one launch, the roofline floor and the terms behind them.
     `m_tiles`: programs along M; `m_bytes_fraction`: the share of bytes that grows with M (rows of
     activations and outputs); the rest (weights) is re-read by every M tile. `extra_bytes`: traffic
     the implementation adds beyond the floor's bytes (split partials). `tail_bytes`, `tail_tickets`:
-    the serial tail one program runs after the grid (module doc)."""
+    the serial tail one program runs after the grid; `extra_written`: the extra bytes are the
+    programs' own writes (module doc)."""
     floor_s, bound = roofline_floor_s(target, nbytes, flops, peak_dtype)
     out: dict[str, Any] = {"programs": programs, "loop_iters": iters, "floor_us": floor_s * 1e6, "bound": bound}
     if not report.get("ok", False):
@@ -174,7 +178,12 @@ def predict(report: dict[str, Any], target: Any, programs: int, iters: int, nbyt
     streams = programs * m_bytes_fraction + (programs / max(1, m_tiles)) * (1.0 - m_bytes_fraction)
     in_flight = min(streams, target.cu_count * resident) * nw
     saturation = min(1.0, in_flight / (target.cu_count * target.simd_per_cu))
-    memory_s = (nbytes + extra_bytes) / (target.hbm_gbps * 1e9 * saturation)
+    bw = target.hbm_gbps * 1e9
+    if extra_written:
+        written = min(1.0, min(programs, target.cu_count * resident) * nw / (target.cu_count * target.simd_per_cu))
+        memory_s = nbytes / (bw * saturation) + extra_bytes / (bw * written)
+    else:
+        memory_s = (nbytes + extra_bytes) / (bw * saturation)
     tail_s = tail_us(target, nw, tail_bytes, tail_tickets) * 1e-6
     t = max(compute_s, memory_s) + tail_s
     spills = int(report.get("spills", 0) or 0) + (1 if report.get("scratch_bytes", 0) else 0)

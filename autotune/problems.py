@@ -63,6 +63,9 @@ class ProblemModel:
     # traffic beyond the floor that the implementation adds (problem, m, launch dims) -> bytes, e.g.
     # MLA split partials written by the split kernel: charged in the predicted time, not the floor
     extra_bytes_fn: Callable[[Problem, int, Problem], float] | None = None
+    # those extra bytes are the launch's own writes, each program its own part (the split partials):
+    # every program streams them, not only those that read distinct bulk bytes (costmodel.predict)
+    extra_written: bool = False
     # work one program does serially AFTER the grid (a "last program finishes" tail, kd.atomic_ticket):
     # (problem, m, launch dims) -> (bytes that program moves, tickets it draws one after another)
     tail_fn: Callable[[Problem, int, Problem], tuple[float, int]] | None = None

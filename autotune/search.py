@@ -111,6 +111,22 @@ def _tile_totals(kernel: Any, target: Target, prob: dict[str, Any], buckets: lis
     return total, per
 
 
+def _tile_best_at(kernel: Any, target: Target, prob: dict[str, Any], scored_prob: dict[str, Any], m: int,
+                  jobs: dict[tuple, tuple[dict, dict]], reports: dict[tuple, dict[str, Any]],
+                  numerics: tuple) -> dict[str, Any] | None:
+    """The compiled config with numerics tile `numerics` that scores best at M=m (None: none)."""
+    best = None
+    cm = compile_m(kernel, prob, m, target)
+    for (ck, jm), (c, _) in jobs.items():
+        rep = reports.get((ck, jm))
+        if rep is None or jm != cm or _numerics(c, kernel) != numerics:
+            continue
+        t = float(score(kernel, target, scored_prob, m, c, rep)["predicted_us"])
+        if math.isfinite(t) and (best is None or t < best[0]):
+            best = (t, c)
+    return None if best is None else best[1]
+
+
 LAUNCH_TUNABLE_TILES = 2  # tiles (joint favourites, then the first bucket's) whose launch tunables are compiled
 
 
@@ -129,28 +145,14 @@ def _launch_tunable_jobs(kernel: Any, target: Target, prob: dict[str, Any], scor
     lead += [nk for nk in sorted(per, key=lambda nk: (per[nk].get(first, math.inf), nk)) if nk not in lead][
         :LAUNCH_TUNABLE_TILES]
     new: dict[tuple, tuple[dict, dict]] = {}
-    m1 = bucket_m(first)
     for nk in lead:
-        base = None
-        for (ck, cm), (c, _) in jobs.items():
-            rep = reports.get((ck, cm))
-            if rep is None or _numerics(c, kernel) != nk or cm != compile_m(kernel, prob, m1, target):
-                continue
-            t = float(score(kernel, target, scored_prob, m1, c, rep)["predicted_us"])
-            if math.isfinite(t) and (base is None or t < base[0]):
-                base = (t, c)
+        base = _tile_best_at(kernel, target, prob, scored_prob, bucket_m(first), jobs, reports, nk)
         if base is None:
             continue
         for b in buckets:
             cm = compile_m(kernel, prob, bucket_m(b), target)
             for vals in itertools.product(*(spaces[b].domains[n] for n in tunables)):
-                c2 = {**base[1], **dict(zip(tunables, vals))}
-                key = (_cfg_key(c2), cm)
-                if key in jobs or key in new:
-                    continue
-                dims = full_dims(kernel, prob, cm, c2, target)
-                if _traces(kernel, target, c2, dims):  # values the tile's rules refuse are pruned
-                    new[key] = (c2, dims)
+                _add_traced(kernel, target, prob, cm, {**base, **dict(zip(tunables, vals))}, jobs, new)
     return new
 
 
@@ -222,7 +224,8 @@ def score(kernel: Any, target: Target, problem: dict[str, Any], m: int, config: 
     extra = extra_bytes(kernel, problem, m, dims)
     tail = pm.tail_fn(problem, m, dims) if pm.tail_fn else (0.0, 0)
     fig = costmodel.predict(report, target, math.prod(gs), loop_iters(kernel, dims, sp.config), nbytes, flops,
-                            pm.peak_dtype, m_tiles, m_frac, extra, tail_bytes=tail[0], tail_tickets=tail[1])
+                            pm.peak_dtype, m_tiles, m_frac, extra, tail_bytes=tail[0], tail_tickets=tail[1],
+                            extra_written=pm.extra_written)
     fig["resources"] = {k: report.get(k) for k in ("vgpr", "agpr", "spills", "lds_bytes", "occupancy")}
     return fig
 
@@ -373,6 +376,49 @@ def _launch_polish(kernel: Any, target: Target, prob: dict[str, Any], scored_pro
     return new
 
 
+NEIGHBOR_ROUNDS = 3  # rounds of the one-key-away search around the picked numerics tile
+
+
+def _numerics_neighbors(kernel: Any, target: Target, prob: dict[str, Any], scored_prob: dict[str, Any],
+                        buckets: list[Any], spaces: dict[Any, Any], jobs: dict[tuple, tuple[dict, dict]],
+                        reports: dict[tuple, dict[str, Any]], shared: tuple,
+                        tunables: tuple[str, ...]) -> dict[tuple, tuple[dict, dict]]:
+    """Jobs not yet compiled: the tiles one numerics key away from `shared` (each other value of
+    each key in the first bucket's domain), each with the other keys of `shared`'s best config at
+    the first bucket and every combination of the launch-only `tunables`. A seeded sample of a
+    large space holds few tiles, and a tile that differs from the winner in one key (the value
+    product's orientation, the split size) is the likeliest better one: the gfx950 MLA split
+    sample never held the winner with its score orientation flipped, which was 12% faster."""
+    first = buckets[0]
+    base = _tile_best_at(kernel, target, prob, scored_prob, bucket_m(first), jobs, reports, shared)
+    if base is None:
+        return {}
+    dom = spaces[first].domains
+    launch = [dom[n] for n in tunables if n in dom]
+    new: dict[tuple, tuple[dict, dict]] = {}
+    for key, cur in shared:
+        for v in dom.get(key, ()):
+            if v == cur:
+                continue
+            for vals in itertools.product(*launch):
+                c2 = {**base, key: v, **dict(zip([n for n in tunables if n in dom], vals))}
+                for b in buckets:
+                    _add_traced(kernel, target, prob, compile_m(kernel, prob, bucket_m(b), target), c2, jobs, new)
+    return new
+
+
+def _add_traced(kernel: Any, target: Target, prob: dict[str, Any], cm: int, config: dict[str, Any],
+                jobs: dict[tuple, tuple[dict, dict]], new: dict[tuple, tuple[dict, dict]]) -> None:
+    """Add the job (config at compile M `cm`) to `new` unless it is known or the tile's rules refuse
+    it (pruned by tracing, as the space is)."""
+    key = (_cfg_key(config), cm)
+    if key in jobs or key in new:
+        return
+    dims = full_dims(kernel, prob, cm, config, target)
+    if _traces(kernel, target, config, dims):
+        new[key] = (config, dims)
+
+
 def _traces(kernel: Any, target: Target, config: dict[str, Any], dims: dict[str, Any]) -> bool:
     """Whether `config` passes the kernel's rules at `dims` (the space's pruning by tracing)."""
     from kdsl.errors import KdslError
@@ -471,6 +517,18 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
         budget_hit = _compile(kernel, target, lead, reports, workers, deadline, progress)
     shared = forced if forced is not None else _shared_numerics(kernel, target, scored_prob, buckets, jobs, reports) \
         if pm.shared_numerics and mode == "static" else None
+    # then a local search: the tiles one numerics key away, until the pick stands
+    for _ in range(NEIGHBOR_ROUNDS if shared is not None and forced is None and not budget_hit else 0):
+        near = _numerics_neighbors(kernel, target, prob, scored_prob, buckets, spaces, jobs, reports, shared, tun)
+        if not near:
+            break
+        jobs.update(near)
+        budget_hit = _compile(kernel, target, near, reports, workers, deadline, progress)
+        picked = _shared_numerics(kernel, target, scored_prob, buckets, jobs, reports)
+        stands = picked in (None, shared)
+        shared = picked or shared
+        if stands or budget_hit:
+            break
     # the sampled space holds few launch-option combinations of any one tile: compile them all for
     # each bucket's best tile (a cheap local search)
     # a launch-only tunable of the shared tile (a BLOCK_M that changes no bit) was sampled with the

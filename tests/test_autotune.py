@@ -362,6 +362,23 @@ def test_costmodel_splitting_m_does_not_buy_weight_bandwidth():
     assert two["terms"]["memory_us"] == pytest.approx(one["terms"]["memory_us"], rel=0.01)
 
 
+def test_costmodel_written_extra_bytes_stream_from_every_program():
+    """Split partials are each program's own writes: where programs re-read shared bytes (64 row
+    tiles of one KV stream here), the reads stream at the few distinct streams' saturation, the
+    written extra bytes at every program's; unflagged extra bytes keep the shared saturation."""
+    rep = {"ok": True, "matrix_instructions": {}, "matrix_in_main_loop": 0, "valu_instructions": 100,
+           "valu_in_main_loop": 10, "num_warps": 4, "occupancy": 4, "spills": 0}
+    t = get_target("gfx942")
+    kw = dict(m_tiles=64, m_bytes_fraction=0.0, extra_bytes=4e6)
+    shared = costmodel.predict(rep, t, 256, 28, 8e6, 1e7, "bf16", **kw)
+    written = costmodel.predict(rep, t, 256, 28, 8e6, 1e7, "bf16", extra_written=True, **kw)
+    bw = t.hbm_gbps * 1e3  # bytes per microsecond
+    sat_reads = 4 * 4 / (t.cu_count * t.simd_per_cu)            # 256 / 64 = 4 streams of 4 warps
+    sat_all = min(1.0, 256 * 4 / (t.cu_count * t.simd_per_cu))
+    assert shared["terms"]["memory_us"] == pytest.approx(12e6 / (bw * sat_reads), rel=1e-3)
+    assert written["terms"]["memory_us"] == pytest.approx(8e6 / (bw * sat_reads) + 4e6 / (bw * sat_all), rel=1e-3)
+
+
 def test_costmodel_charges_a_serial_tail_after_the_grid():
     """A "last program finishes" tail runs once, after the grid, in one program: its tickets in
     sequence plus its bytes at one program's share of HBM (more warps, more bandwidth), added to the
@@ -559,3 +576,35 @@ def test_launch_only_tunables_of_the_leading_tiles_are_compiled_before_the_joint
     jobs.update(new)
     reports.update({k: {"ok": True} for k in new})
     assert dict(search._shared_numerics(SW, t, prob, buckets, jobs, reports))["BLOCK_N"] == 32
+
+
+def test_numerics_neighbors_find_the_tile_one_key_away(monkeypatch):
+    """The sample held only the picked tile and a far one; the tile that differs from the pick in
+    one numerics key (BLOCK_K) is faster at every bucket: the one-key-away jobs hold it (and only
+    tiles one key away, values the tile's rules refuse pruned), and the joint pick then takes it."""
+    from autotune import search
+
+    t = get_target("gfx942")
+    base = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "waves_per_eu": 0,
+            "kpack": 1, "matrix_instr_nonkdim": 0}
+    far = {**base, "BLOCK_N": 128, "BLOCK_K": 128}
+
+    def fake_score(kernel, target, prob, m, c, rep):
+        return {"predicted_us": 1.0 if (c["BLOCK_N"], c["BLOCK_K"]) == (64, 128) else
+                2.0 if c["BLOCK_N"] == 64 else 3.0}
+
+    monkeypatch.setattr(search, "score", fake_score)
+    buckets = [1, 8]
+    jobs = {(search._cfg_key(c), search.REPORT_M): (c, {}) for c in (base, far)}
+    reports = {k: {"ok": True} for k in jobs}
+    shared = search._shared_numerics(K, t, PROB, buckets, jobs, reports)
+    assert dict(shared)["BLOCK_K"] == 64
+    spaces = {b: search.build(K, t, {}, b, seed=0, max_candidates=1) for b in buckets}
+    new = search._numerics_neighbors(K, t, PROB, PROB, buckets, spaces, jobs, reports, shared, ())
+    tiles = {search._numerics(c, K) for c, _ in new.values()}
+    assert all(sum(a != b for a, b in zip(nk, shared)) == 1 for nk in tiles)
+    assert {c["BLOCK_K"] for c, _ in new.values() if all(c[k] == v for k, v in base.items() if k != "BLOCK_K")} \
+        == {32, 128, 256}
+    jobs.update(new)
+    reports.update({k: {"ok": True} for k in new})
+    assert dict(search._shared_numerics(K, t, PROB, buckets, jobs, reports))["BLOCK_K"] == 128
