@@ -176,12 +176,14 @@ def predict(report: dict[str, Any], target: Any, programs: int, iters: int, nbyt
     # programs that differ only along M stream the same weights: towards HBM they add parallelism
     # only for the M-dependent share of the bytes
     streams = programs * m_bytes_fraction + (programs / max(1, m_tiles)) * (1.0 - m_bytes_fraction)
-    in_flight = min(streams, target.cu_count * resident) * nw
-    saturation = min(1.0, in_flight / (target.cu_count * target.simd_per_cu))
+
+    def saturation_of(n: float) -> float:  # share of HBM bandwidth that n programs' waves draw
+        return min(1.0, min(n, target.cu_count * resident) * nw / (target.cu_count * target.simd_per_cu))
+
+    saturation = saturation_of(streams)
     bw = target.hbm_gbps * 1e9
     if extra_written:
-        written = min(1.0, min(programs, target.cu_count * resident) * nw / (target.cu_count * target.simd_per_cu))
-        memory_s = nbytes / (bw * saturation) + extra_bytes / (bw * written)
+        memory_s = nbytes / (bw * saturation) + extra_bytes / (bw * saturation_of(programs))
     else:
         memory_s = (nbytes + extra_bytes) / (bw * saturation)
     tail_s = tail_us(target, nw, tail_bytes, tail_tickets) * 1e-6

@@ -394,14 +394,14 @@ def _numerics_neighbors(kernel: Any, target: Target, prob: dict[str, Any], score
     if base is None:
         return {}
     dom = spaces[first].domains
-    launch = [dom[n] for n in tunables if n in dom]
+    names = [n for n in tunables if n in dom]
     new: dict[tuple, tuple[dict, dict]] = {}
     for key, cur in shared:
         for v in dom.get(key, ()):
             if v == cur:
                 continue
-            for vals in itertools.product(*launch):
-                c2 = {**base, key: v, **dict(zip([n for n in tunables if n in dom], vals))}
+            for vals in itertools.product(*(dom[n] for n in names)):
+                c2 = {**base, key: v, **dict(zip(names, vals))}
                 for b in buckets:
                     _add_traced(kernel, target, prob, compile_m(kernel, prob, bucket_m(b), target), c2, jobs, new)
     return new
