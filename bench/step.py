@@ -430,6 +430,10 @@ def summarize(items: list[Item], rec: StepRecord, cfg: Any, full_layers: int, to
             # the launches alone (no gaps, no collectives) against their own floor
             "kernels_us": pred - gaps - coll, "kernels_floor_us": floor - coll_floor,
             "predicted_us_recorded_layers": pred_rec, "ratio": pred / floor if floor else math.inf,
+            # every kernel at its floor, these launches' gaps and the collectives as predicted: the
+            # ratio no kernel change can beat (only fewer launches or cheaper collectives can)
+            "launch_bound_ratio": (floor - coll_floor + gaps + sum(it.predicted_us * it.weight for it in links)) / floor
+            if floor else math.inf,
             "layers_recorded": rec.layers, "layers": full_layers, "host_ops": rec.mode.host_ops,
             "device_reads": len(rec.mode.device_reads), "record_s": round(rec.record_s, 2),
             "top": ranked[:top], "fallbacks": [{"name": g["name"], "shape": g["shape"], "why": g["tuned"],
@@ -447,6 +451,8 @@ def print_summary(s: dict[str, Any], head: str) -> None:
     kf = s["kernels_floor_us"]
     print(f"kernels {s['kernels_us'] / 1e3:.3f} ms vs their floor {kf / 1e3:.3f} ms = "
           f"{s['kernels_us'] / kf if kf else math.inf:.2f}x; collectives {s['collective_us'] / 1e3:.3f} ms")
+    print(f"every kernel at its floor, with these launches' gaps and collectives: ratio {s['launch_bound_ratio']:.2f}x "
+          "(no kernel change gets below it)")
     print(f"host-side tensor ops {s['host_ops']}, device->host reads in the forward {s['device_reads']}")
     print(f"{'share':>6} {'total us':>10} {'count':>6} {'each us':>9}  item")
     for g in s["top"]:

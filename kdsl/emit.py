@@ -81,7 +81,13 @@ class Emitter:
                   bounds: list[str] | None = None) -> str | None:
         parts = [self.aligned(m, axes) for m in sorted(masks, key=lambda m: m.name)]
         if extra is not None:
-            parts.append(self.aligned(extra, axes))
+            if not extra.axes and axes and getattr(self.target, "backend", None) == "interpret":
+                # the interpreter cannot mix a scalar bool into a vector mask (bound_exprs): a vector
+                vec = self.fresh("mv")
+                self.w(f"{vec} = tl.full({self.shape(axes)}, 0, tl.int1) | {self.ref(extra)}")
+                parts.append(vec)
+            else:
+                parts.append(self.aligned(extra, axes))
         parts += bounds or []
         if not parts:
             return None

@@ -342,12 +342,6 @@ def _mla_flops(p: Problem, m: int) -> float:
     return 2.0 * _batch(p, m) * p["QL"] * p["H"] * _ctx(p) * (2 * p["DL"] + p["DR"])
 
 
-def _paged_dims(p: Problem, m: int) -> Problem:
-    b = _batch(p, m)
-    mp = math.ceil(_ctx(p) / p["PS"])
-    return {"B": b, "MP": mp, "NP": b * mp}
-
-
 def _mla_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
     b = _batch(p, m)
     mp = _table_capacity(p) // p["PS"]
@@ -410,13 +404,20 @@ def _combine_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
     return {"B": _batch(p, m), "QH": p["QL"] * p["H"]}
 
 
-def _combine_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
-    """The split count of the split kernel it follows, unless the problem names one: the MLA
-    split kernel's default tiles (BLOCK_M 16, BLOCK_N 64) at the problem's context."""
-    if "S" in d:
-        return {}
-    return {"S": launch_split_count(_ctx(d), d["B"], d["QL"] * d["H"], 16, 32, 256, target.cu_count,
-                                    max_splits_for(d["H"]))}
+def _combine_launch(mha: bool) -> Callable[..., Problem]:
+    """The split count of the split kernel a combine follows, unless the problem names one: the
+    batch-invariant plan of `ops.mla.mla_decode` (`mha`: `ops.mha.paged_mha_decode`, its MHA
+    shape: as many KV heads as query heads) over the step's table (`_table_capacity` in pages of
+    _SPLIT_PS) with the SPLIT_TOKENS of that arch's tuned split kernel (`_split_tokens`), as
+    `_combine_uv_launch` counts: S is static and sets the merge loop's trips."""
+    def launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
+        if "S" in d:
+            return {}
+        cap = _table_capacity({**d, "PS": _SPLIT_PS})
+        st = _split_tokens(target, d["H"], d["DL"], mha)
+        ms = DEFAULT_MAX_SPLITS if mha else max_splits_for(d["H"])
+        return {"S": launch_split_count(cap, d["B"], d["QL"] * d["H"], 16, 32, st, target.cu_count, ms)}
+    return launch
 
 
 def _batch_rows(d: Problem) -> int:
@@ -439,17 +440,20 @@ def _mha_flops(p: Problem, m: int) -> float:
 
 
 def _mha_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
-    return {**_paged_dims(p, m), "QG": p["QL"] * (p["HQ"] // p["KVH"])}
+    b = _batch(p, m)
+    mp = _table_capacity(p) // p["PS"]
+    return {"B": b, "MP": mp, "NP": b * mp, "QG": p["QL"] * (p["HQ"] // p["KVH"])}
 
 
 def _mha_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
     """The split count `ops.mha.paged_mha_decode` launches with (the same call: per sequence
-    KVH x BLOCK_M-padded rows of its GQA group)."""
+    KVH x BLOCK_M-padded rows of its GQA group, over the table's capacity as `_mla_launch`)."""
     bm, bn = int(c.get("BLOCK_M", 16)), int(c.get("BLOCK_N", 32))
     st = int(c.get("SPLIT_TOKENS", 256))
     rows = d["KVH"] * math.ceil(d["QG"] / bm) * bm
-    s = launch_split_count(_ctx(d), d["B"], rows, bm, bn, st, target.cu_count)
-    return {"S": s, "BS": d["B"] * s, "CHUNK": _split_chunk(_ctx(d), s, bn, st)}
+    s = launch_split_count(_table_capacity(d), d["B"], rows, bm, bn, st, target.cu_count)
+    n = _step_tokens(d)
+    return {"S": s, "BS": d["B"] * s, "CHUNK": _split_chunk(n - d["QL"] + 1 if st else n, s, bn, st)}
 
 
 MODELS += [
@@ -614,13 +618,13 @@ MODELS += [
                  bytes_fn=_rows("H", lambda p: p["H"] * 4 * (p["TOPK"] + 1)), flops_fn=lambda p, m: m * p["H"] * p["TOPK"]),
     ProblemModel("mla_decode_combine", ("QL", "H", "DL"), m_block=None, peak_dtype="f32", loop_dim=None,
                  loop_block=None, bytes_fn=_combine_bytes(2), extra_bytes_fn=_combine_extra, m_of=_batch_rows,
-                 derived=_combine_derived, launch_dims=_combine_launch),
+                 derived=_combine_derived, launch_dims=_combine_launch(False)),
     ProblemModel("mla_decode_combine_f32", ("QL", "H", "DL"), m_block=None, peak_dtype="f32", loop_dim=None,
                  loop_block=None, bytes_fn=_combine_bytes(4), extra_bytes_fn=_combine_extra, m_of=_batch_rows,
-                 derived=_combine_derived, launch_dims=_combine_launch),
+                 derived=_combine_derived, launch_dims=_combine_launch(False)),
     ProblemModel("mha_decode_combine*", ("QL", "H", "DL"), m_block=None, peak_dtype="f32", loop_dim=None,
                  loop_block=None, bytes_fn=_combine_bytes(2), extra_bytes_fn=_combine_extra, m_of=_batch_rows,
-                 derived=_combine_derived, launch_dims=_combine_launch),
+                 derived=_combine_derived, launch_dims=_combine_launch(True)),
 ]
 
 register(*MODELS)
@@ -660,21 +664,26 @@ def _absorb_bytes(p: Problem, m: int) -> float:
 _SPLIT_DR, _SPLIT_PS = 64, 64
 
 
-def _split_tokens(target: Any, heads: int, latent: int) -> int:
-    """SPLIT_TOKENS of the split kernel a batch-invariant mla_decode runs before the combine: the
-    M=1 entry of its tuned q_len-1 file on this arch (ops.mla.mla_decode: invariant_config with
-    QL 1), else the kernel's default."""
+def _split_tokens(target: Any, heads: int, latent: int, mha: bool = False) -> int:
+    """SPLIT_TOKENS of the split kernel a batch-invariant mla_decode (`mha`: paged_mha_decode, KV
+    heads = query heads) runs before the combine: the M=1 entry of its tuned q_len-1 file on this
+    arch (invariant_config with QL 1), else the kernel's default."""
     import warnings
 
     from autotune import lookup_config
-    from ops.mla import mla_decode_split
 
-    prob = {"QL": 1, "H": heads, "DL": latent, "DR": _SPLIT_DR, "PS": _SPLIT_PS}
+    if mha:
+        from ops.mha import mha_decode as kern
+        prob = {"QL": 1, "HQ": heads, "KVH": heads, "D": latent, "PS": _SPLIT_PS}
+        static = {"QL": 1, "D": latent}
+    else:
+        from ops.mla import mla_decode_split as kern
+        prob = {"QL": 1, "H": heads, "DL": latent, "DR": _SPLIT_DR, "PS": _SPLIT_PS}
+        static = {"QL": 1, "DL": latent, "DR": _SPLIT_DR}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg = lookup_config(mla_decode_split, target.name, prob, 1)
-    static = {"QL": 1, "DL": latent, "DR": _SPLIT_DR}
-    return int(cfg.get("SPLIT_TOKENS", mla_decode_split.tunables(static=static)["SPLIT_TOKENS"].default))
+        cfg = lookup_config(kern, target.name, prob, 1)
+    return int(cfg.get("SPLIT_TOKENS", kern.tunables(static=static)["SPLIT_TOKENS"].default))
 
 
 def _combine_uv_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
@@ -688,7 +697,7 @@ def _combine_uv_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Pr
     256: 32 at H=8) tunes BLOCK_S for a loop the step does not run."""
     if "S" in d:
         return {}
-    cap = -(-(_ctx(d) + 1) // _SPLIT_PS) * _SPLIT_PS
+    cap = _table_capacity({**d, "PS": _SPLIT_PS})
     st = _split_tokens(target, d["H"], d["DL"])
     return {"S": launch_split_count(cap, m, d["H"], 16, 32, st, target.cu_count, max_splits_for(d["H"]))}
 

@@ -98,16 +98,42 @@ def test_combine_uv_scored_at_the_split_count_the_op_launches(arch: str, heads: 
 
 
 def test_mha_launch_dims_match_the_op() -> None:
+    """paged_mha_decode plans its splits over the page table's capacity (the context and the q_len new
+    tokens in whole pages), as mla_decode does: at 8192 + 4 tokens, 129 pages of 64 -> 8256 tokens,
+    17 chunks of 512 (the context alone would give 16) and the 32-split cap at 256."""
     t = get_target("gfx942")
-    d = P.full_dims(mha.mha_decode, {**DRAFT_MHA, "QL": 4, "KVH": 16}, 8, {"BLOCK_M": 16, "BLOCK_N": 64}, t)
-    assert (d["B"], d["QG"]) == (2, 16)
-    assert d["S"] == mla.invariant_splits(P.NOMINAL_CTX, 256)
-    assert d["BS"] == 2 * d["S"]
+    cap = math.ceil((P.NOMINAL_CTX + 4) / 64) * 64
+    for st, splits in ((256, 32), (512, 17)):
+        d = P.full_dims(mha.mha_decode, {**DRAFT_MHA, "QL": 4, "KVH": 16}, 8,
+                        {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_TOKENS": st}, t)
+        assert (d["B"], d["QG"], d["MP"]) == (2, 16, cap // 64)
+        assert d["S"] == mla.invariant_splits(cap, st) == splits and d["BS"] == 2 * splits
+        assert d["S"] * d["CHUNK"] >= cap
     d = P.full_dims(mha.mha_decode, {**DRAFT_MHA, "QL": 4, "KVH": 16}, 8,
                     {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_TOKENS": 0}, t)
     rows = 16 * 16  # KVH x cdiv(QG, BLOCK_M) x BLOCK_M, as paged_mha_decode passes it
-    assert d["S"] == mla.num_splits([P.NOMINAL_CTX] * 2, 1, rows, 16, cu_count=304, block_n=64)
+    assert d["S"] == mla.num_splits([cap] * 2, 1, rows, 16, cu_count=304, block_n=64)
     assert d["BS"] == 2 * d["S"]
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_combines_scored_at_the_split_count_the_op_launches(arch: str) -> None:
+    """mha_decode_combine and mla_decode_combine(_f32) are scored at the S their split kernel launches
+    at the nominal step (the tuned q_len-1 split config's SPLIT_TOKENS over the table's capacity), as
+    mla_combine_uv is: S is static and sets their merge loop."""
+    from ops._common import invariant_config
+
+    t = get_target(arch)
+    for ql in (1, 4):
+        cap = math.ceil((P.NOMINAL_CTX + ql) / 64) * 64
+        p1 = {"QL": 1, "HQ": 64, "KVH": 64, "D": 128, "PS": 64}
+        st = invariant_config(mha.mha_decode, p1, 1, None, arch=arch).get("SPLIT_TOKENS", 256)
+        d = P.full_dims(mha.mha_decode_combine, {"QL": ql, "H": 64, "DL": 128}, 2 * ql, {}, t)
+        assert d["S"] == mla.invariant_splits(cap, st)
+        p1 = {**KIMI_MLA, "QL": 1}
+        st = invariant_config(mla.mla_decode_split, p1, 1, None, arch=arch).get("SPLIT_TOKENS", 256)
+        d = P.full_dims(mla.mla_decode_combine_f32, {"QL": ql, "H": 64, "DL": 512}, 2 * ql, {}, t)
+        assert d["S"] == mla.invariant_splits(cap, st, mla.max_splits_for(64))
 
 
 def test_bytes_and_flops_by_hand() -> None:

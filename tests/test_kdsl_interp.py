@@ -174,6 +174,22 @@ def test_exit_if():
     assert torch.equal(out[live], x[live] + 1) and torch.isnan(out[~live]).all()
 
 
+@kd.kernel
+def i_first_tile_only(x: kd.In["M", "N", kd.f32], out: kd.Out["M", "N", kd.f32]):
+    m, n = kd.grid("M", "N")
+    kd.store(out, (m, n), x[m, n] * 2.0, mask=n.start == 0)   # a program-level (scalar) condition
+
+
+def test_scalar_store_mask_next_to_the_bounds():
+    """A store masked by a scalar condition of the program (its N tile is the first) as well as by
+    the tile's bounds: only the first column tile's in-bounds elements are written. The interpreter
+    cannot AND a scalar bool into a vector mask, so the emitter widens it there."""
+    x = torch.randn(21, 40, generator=gen(13))
+    out = poisoned((21, 40), torch.float32)
+    i_first_tile_only(x, out, config=B16)
+    assert torch.equal(out[:, :16], x[:, :16] * 2.0) and torch.isnan(out[:, 16:]).all()
+
+
 @kd.kernel(static=("D",))
 def i_nest(x: kd.In["B", "M", "D", kd.f32], out: kd.Out["B", "M", "D", kd.f32]):
     """Three grid dims on two launch axes: (B, D tiles) share axis 0, the D tiles fastest."""

@@ -353,6 +353,9 @@ def test_bench_step_json_and_plot(monkeypatch, capsys, tmp_path):
     for s in (d1, d4):
         assert s["kdsl_launches"] > 61 * 10 and s["torch_launches"] > 0
         assert s["predicted_us"] > s["floor_us"] > 0 and s["gaps_us"] == pytest.approx(2.0 * s["launches"], rel=0.02)
+        # kernels at their floor plus the same gaps (no collectives at TP1): between the floor and the prediction
+        assert s["launch_bound_ratio"] == pytest.approx((s["kernels_floor_us"] + s["gaps_us"]) / s["floor_us"])
+        assert 1.0 < s["launch_bound_ratio"] < s["ratio"]
         # W4A8 MoE layer: norm+quant, shared gate|up + router GEMM, route+align (one launch up to 4
         # tokens), stage 1, quant (not with stage2_quant "amax", the tuned files' choice on gfx942 at
         # q_len 1 and 4), stage 2, shared down, combine+norm, and the 6 MLA launches; the only
