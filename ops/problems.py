@@ -342,10 +342,15 @@ def _mla_flops(p: Problem, m: int) -> float:
     return 2.0 * _batch(p, m) * p["QL"] * p["H"] * _ctx(p) * (2 * p["DL"] + p["DR"])
 
 
-def _mla_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+def _paged_dims(p: Problem, m: int) -> Problem:
+    """Batch, block-table width and page pool of a paged decode launch: the step's table capacity."""
     b = _batch(p, m)
     mp = _table_capacity(p) // p["PS"]
-    return {"B": b, "MP": mp, "NP": b * mp, "QH": p["QL"] * p["H"], "DQ": p["DL"] + p["DR"]}
+    return {"B": b, "MP": mp, "NP": b * mp}
+
+
+def _mla_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    return {**_paged_dims(p, m), "QH": p["QL"] * p["H"], "DQ": p["DL"] + p["DR"]}
 
 
 def _split_chunk(ctx: int, s: int, bn: int, split_tokens: int = 0, max_splits: int = DEFAULT_MAX_SPLITS) -> int:
@@ -440,9 +445,7 @@ def _mha_flops(p: Problem, m: int) -> float:
 
 
 def _mha_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
-    b = _batch(p, m)
-    mp = _table_capacity(p) // p["PS"]
-    return {"B": b, "MP": mp, "NP": b * mp, "QG": p["QL"] * (p["HQ"] // p["KVH"])}
+    return {**_paged_dims(p, m), "QG": p["QL"] * (p["HQ"] // p["KVH"])}
 
 
 def _mha_launch(d: Problem, m: int, c: dict[str, Any], target: Any) -> Problem:
