@@ -177,7 +177,7 @@ def torch_path(x: torch.Tensor, layer: dict[str, Any], top_k: int, scaling: floa
 
     w = layer["experts"]
     ids, wts = moe_route_ref(x, layer["router"], layer["bias"], top_k, routed_scaling_factor=scaling)
-    pack = "quark_reorder" if w.fmt == "w4a8" else "ct"
+    pack = "quark_reorder" if w.fmt == "w4a8" else "ct_reorder"
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     I = w.w2.shape[2] * (8 if w.fmt != "bf16" else 1)
 

@@ -32,6 +32,7 @@ def tl_type(dt: T.DType) -> str:
 class Emitter:
     def __init__(self, c: TraceContext, target: Any, fn_name: str) -> None:
         self.c, self.target, self.fn_name = c, target, fn_name
+        self.biased: set[int] = set()  # int4 tiles emitted as bf16 q + INT4_BIAS (kd.group_dot's operands)
         self.lines: list[str] = []
         self.indent = 1
         self.last_loc: tuple[str, int] | None = None
@@ -437,6 +438,9 @@ class Emitter:
         addr, wmask, waxes = self._packed_access(n, "kw")
         words = self.fresh("words")
         self.w(f"{words} = tl.load({addr}, mask={wmask}, other=0)")
+        if _pair_order(pack) and self._feeds_group_dots_only(r):
+            self._int4_biased_bf16(r, words, waxes, pack)
+            return
         if n.a.unpack in ("bfe", "sbfe"):
             self._int4_bfe(r, words, waxes, pack, signed=n.a.unpack == "sbfe")
             return
@@ -455,6 +459,38 @@ class Emitter:
         else:
             self.w(f"{q} = (({w3} >> {sh3}) & 15) - 8")
         self.w(f"{r.name} = tl.reshape({q}, {self.shape(r.axes)}).to(tl.int8)")
+
+    def _feeds_group_dots_only(self, v: Value) -> bool:
+        """Every reader of `v` is a kd.group_dot (which can take the biased bf16 form)."""
+        from .passes import node_inputs, walk
+
+        users = [m for m in walk(self.c.root) if any(x is v for x in node_inputs(m))]
+        return bool(users) and all(m.op == "group_dot" for m in users)
+
+    def _int4_biased_bf16(self, r: Value, words: str, waxes: tuple[Axis, ...], pack: T.Int4) -> None:
+        """`r` as bf16 values q + INT4_BIAS, two per word operation: nibbles i and i+4 (elements 2i,
+        2i+1 of a pair-ordered pack) sit 16 bits apart, so `(w >> 4i) & 0x000F000F | 0x43004300` is
+        the bf16 pair (128 + n0, 128 + n1) with n = q + 8 (the exponent of 128 makes the nibble the
+        integer part of the mantissa). No convert, no sign extension: kd.group_dot subtracts the bias
+        through each group's row sums of its other operand (`op_group_dot`)."""
+        if pack.twos:  # two's complement: flipping each nibble's top bit gives q + 8
+            flipped = self.fresh("wx")
+            self.w(f"{flipped} = {words} ^ -2004318072  # 0x88888888")
+            words = flipped
+        pairs = []
+        for i in range(4):
+            t, pr = self.fresh("t"), self.fresh("pr")
+            shifted = f"({words} >> {4 * i})" if i else words
+            self.w(f"{t} = ({shifted} & 0x000F000F) | 0x43004300  # elements {2 * i}, {2 * i + 1} as bf16 128 + q + 8")
+            self.w(f"{pr} = tl.join({t}.to(tl.int16).to(tl.bfloat16, bitcast=True), "
+                   f"({t} >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))")
+            pairs.append(pr)
+        jj = self.fresh("jj")
+        self.w(f"{jj} = tl.join(tl.join({pairs[0]}, {pairs[1]}), tl.join({pairs[2]}, {pairs[3]}))")
+        nd = len(waxes)  # [..., element in pair, pair bit 0, pair bit 1] -> row-major elements 0..7
+        perm = tuple(range(nd)) + (nd + 2, nd + 1, nd)
+        self.w(f"{r.name} = tl.reshape(tl.permute({jj}, {perm}), {self.shape(r.axes)})  # int4 + {INT4_BIAS}, bf16")
+        self.biased.add(id(r))
 
     def op_dequant(self, n: Node) -> None:
         """int8 (rows, k) x bf16 (rows, groups) broadcast along k in registers, rounded to bf16."""
@@ -481,10 +517,13 @@ class Emitter:
         i, k, j, g = f.i, f.k, f.j, f.g
         G, KG = g.size, k.size // g.size
         A, B = self.aligned(f.a, (i, k)), self.aligned(f.b, (j, k))
-        if f.q_is_a:
-            A = self._exact_bf16(A)
-        else:
-            B = self._exact_bf16(B)
+        q = f.a if f.q_is_a else f.b
+        biased = id(q) in self.biased
+        if not biased:
+            if f.q_is_a:
+                A = self._exact_bf16(A)
+            else:
+                B = self._exact_bf16(B)
         prec = ""
         if f.upcast:
             A, B = f"{self._paren(A)}.to(tl.float32)", f"{self._paren(B)}.to(tl.float32)"
@@ -496,6 +535,13 @@ class Emitter:
         rows = i if f.q_is_a else j
         s = f"tl.permute(({self.aligned(f.scale, (rows, g))}).to(tl.float32), (1, 0))"
         s = f"{s}[:, :, None]" if f.q_is_a else f"{s}[:, None, :]"
+        if biased:  # q arrived as q + INT4_BIAS: less the bias times each group's sums of the other operand
+            other, n_other = (B, j) if f.q_is_a else (A, i)
+            rs = self.fresh("rs")
+            sums = self._reduce_call("sum", f"tl.reshape({self._paren(other)}.to(tl.float32), "
+                                     f"({n_other.size}, {G}, {KG}))", 2)
+            self.w(f"{rs} = tl.permute({sums}, (1, 0))  # [groups, rows] sums")
+            p = f"({p} - {float(INT4_BIAS)} * {rs}[:, None, :])" if f.q_is_a else f"({p} - {float(INT4_BIAS)} * {rs}[:, :, None])"
         expr = f"{p} * {s}"
         if f.acc is not None:
             expr = f"{self.aligned(f.acc, r.axes)} + {expr}"
@@ -819,6 +865,14 @@ class Emitter:
             if r.axes:
                 e = f"tl.broadcast_to({e}, {self.shape(r.axes)})"
             self.w(f"{r.name} = {e}.to({tl_type(r.dtype)})")
+
+
+INT4_BIAS = 136  # bf16 0x4300 | (q + 8) = 128 + q + 8
+
+
+def _pair_order(pack: T.Int4) -> bool:
+    """Elements 2i and 2i+1 of each group of eight sit in nibbles i and i+4 (16 bits apart)."""
+    return all(pack.order[i] == 2 * i and pack.order[i + 4] == 2 * i + 1 for i in range(4))
 
 
 def emit_module(c: TraceContext, target: Any, fn_name: str, header: list[str]) -> str:

@@ -86,6 +86,9 @@ INT4_PACKINGS = {
     "quark_order": ((0, 1, 2, 3, 4, 5, 6, 7), True),
     "quark_reorder": ((0, 2, 4, 6, 1, 3, 5, 7), True),
     "ct": ((0, 1, 2, 3, 4, 5, 6, 7), False),  # compressed-tensors: offset binary, q + 8
+    # compressed-tensors values in Quark's reorder nibble order: elements 2i and 2i+1 sit in nibbles
+    # i and i+4, 16 bits apart, so one shift and mask yields both as bf16 mantissas (kd.group_dot)
+    "ct_reorder": ((0, 2, 4, 6, 1, 3, 5, 7), False),
 }
 
 

@@ -5,7 +5,7 @@ In-memory representation (what the ops/model layer receive), decided once at loa
   value to the loader's `dtype`.
 - `QuantLinear(kind="int4")`: `packed` int32 [N, K/8], K-contiguous, 8 nibbles per word in packing
   `pack` ("ct" | "quark_order" | "quark_reorder", see ops.packing; kept as stored unless the loader is
-  asked for another packing); `scale` f32 [N] (group == 0, per output channel) or [N, K/group]
+  asked for another packing, e.g. "ct_reorder" for the W4A16 expert kernels); `scale` f32 [N] (group == 0, per output channel) or [N, K/group]
   (group-wise along K) in the checkpoint's float dtype (bf16 for compressed-tensors: exact, and half
   the memory of f32: ~62 GB less for the full Kimi-K2.5). W[n, k] = q[n, k] * scale[n] (or
   scale[n, k // group]).

@@ -563,7 +563,7 @@ def iter_linears(ck: Checkpoint) -> Iterable[tuple[str, Weight]]:
             yield n, w
 
 
-_MOE_FMT = {"compressed-tensors": ("w4a16", "ct"), "quark-w4a8": ("w4a8", "quark_reorder"),
+_MOE_FMT = {"compressed-tensors": ("w4a16", "ct_reorder"), "quark-w4a8": ("w4a8", "quark_reorder"),
             "quark-int4": ("w4a8", "quark_reorder")}
 
 
@@ -571,7 +571,8 @@ def stack_experts(ck: Checkpoint, layer: int, pop: bool = True, experts: Optiona
     """Stack layer `layer`'s routed experts into the fused-MoE layout (ops.moe.MoEWeights fields):
     {"fmt", "w13" [E, 2I, K'] (gate rows then up rows), "s13", "w2" [E, H, I'], "s2"}.
 
-    fmt "w4a16": compressed-tensors int4 ("ct" words, bf16 group scales [E, N, K/32]);
+    fmt "w4a16": compressed-tensors int4 repacked to "ct_reorder" (the kernels' nibble order), bf16
+    group scales [E, N, K/32];
     fmt "w4a8": Quark int4 per-channel, repacked to "quark_reorder" if stored otherwise, f32 [E, N];
     fmt "bf16": dense experts converted to bf16. With pop=True the per-expert entries leave
     `ck.weights` as they are copied, so the extra memory is about one layer's experts.

@@ -15,7 +15,7 @@ import torch
 
 import kdsl as kd
 from ops._common import check_backend, check_tensor, config_for, validating
-from ops.mla import LOG2E, NEG_BIG
+from ops.mla import LOG2E, NEG_BIG, normalized
 
 _EX = {"T": 4096, "H": 64, "KVH": 64, "DQK": 192, "DA": 128, "DB": 64, "DV": 128, "B1": 2, "B": 1, "MAXLEN": 4096}
 _CHECKS = [
@@ -65,7 +65,7 @@ def fmha_prefill(q: kd.In["T", "H", "DQK", kd.bf16], k: kd.In["T", "KVH", "DQK",
 
     m_i, l_i, acc = kd.fold(kd.tiles(start=0, stop=stop, block=BN, label="N"),
                             (kd.full((i,), NEG_BIG, kd.f32), kd.zeros((i,), kd.f32), kd.zeros((i, dv), kd.f32)), step)
-    o = acc / kd.where(l_i > 0, l_i, 1.0)
+    o = normalized(acc, l_i)
     o = o.to(kd.bf16, rounding="rtz") if rtz else o.to(kd.bf16)
     out.store(s0 + i, h, dv, value=o, mask=rows)
 

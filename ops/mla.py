@@ -70,6 +70,13 @@ def softmax_step(s, vis, m_i, l_i, p):
     return m_new, l_i * alpha + kd.sum(pr, axis=p), alpha, pr
 
 
+def normalized(acc, l_i):
+    """acc / l_i for rows with keys (acc itself where l_i is 0) as acc times the row's reciprocal:
+    one rounding more than a division, but 1 VALU per element instead of an IEEE division's ~10,
+    which otherwise dominates a decode split's epilogue (its whole [rows, latent] accumulator)."""
+    return acc * (1.0 / kd.where(l_i > 0, l_i, 1.0))
+
+
 def softmax_init(rows, cols):
     """Online-softmax state of a split: running max (finite, see NEG_BIG), running sum, accumulator."""
     return kd.full((rows,), NEG_BIG, kd.f32), kd.zeros((rows,), kd.f32), kd.zeros((rows, cols), kd.f32)
@@ -79,7 +86,7 @@ def store_split(part, lse, idx, cols, m_i, l_i, acc):
     """A split's normalised partial output and its base-2 log-sum-exp (-inf when it saw no key),
     for the combine kernel."""
     has = l_i > 0
-    part[(*idx, cols)] = acc / kd.where(has, l_i, 1.0)
+    part[(*idx, cols)] = normalized(acc, l_i)
     lse[idx] = kd.where(has, m_i + kd.log2(kd.where(has, l_i, 1.0)), float("-inf"))
 
 
@@ -87,7 +94,7 @@ def store_value_block(part, lse, idx, cols, m_i, l_i, acc, first):
     """store_split for one of DL_SPLIT programs: its columns of the partial; the lse (the same
     bits in each) only from the program of the first column block (`first`, a row vector)."""
     has = l_i > 0
-    part[(*idx, cols)] = acc / kd.where(has, l_i, 1.0)
+    part[(*idx, cols)] = normalized(acc, l_i)
     lse.store(*idx, value=kd.where(has, m_i + kd.log2(kd.where(has, l_i, 1.0)), float("-inf")), mask=first)
 
 
@@ -271,7 +278,7 @@ def _combine_body(part, lse, out):
 
     init = (kd.full((d,), NEG_BIG, kd.f32), kd.zeros((d,), kd.f32), kd.zeros((d,), kd.f32))
     m_i, l_i, acc = kd.fold(kd.tiles("S", block=1, label="s"), init, merge)
-    out[b, r, h, d] = acc / kd.where(l_i > 0, l_i, 1.0)
+    out[b, r, h, d] = normalized(acc, l_i)
 
 
 _CEX = {"B": 1, "QL": 1, "QH": 64, "H": 64, "S": 8, "DL": 512}

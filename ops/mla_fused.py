@@ -38,6 +38,7 @@ import torch
 import kdsl as kd
 from ops._common import check_backend, check_slots, check_tensor, invariant_config, validating
 from ops.gemm import MMA_ROWS, _mma_rows, splitk_sum_ref
+from ops.mla import normalized
 
 # ---------------------------------------------------------------------------------------------
 # kernel bodies
@@ -288,7 +289,7 @@ def mla_combine_uv(part: kd.In["BQ", "H", "S", "DL", kd.f32], lse: kd.In["BQ", "
         init = (kd.full((m,), _NEG_BIG, kd.f32), kd.zeros((m,), kd.f32), kd.zeros((m, c), kd.f32))
         ss = kd.tiles("S", block="BLOCK_S", domain=(1, 2, 4, 8, 16, 32, 64, 128), default=1, label="s")
         m_i, l_i, acc = kd.fold(ss, init, merge)
-        o = (acc / kd.where(l_i > 0, l_i, 1.0)).to(kd.bf16)
+        o = normalized(acc, l_i).to(kd.bf16)
         return y + kd.dot(o, wuv[h, c, v])
 
     cs = kd.tiles("DL", block="BLOCK_C", domain=(16, 32, 64, 128, 256, 512), default=64, label="c")

@@ -92,9 +92,11 @@ ranks' experts, straight from the router).
 Weight formats (`MoEWeights.fmt`):
 - "w4a8":  w13 int32 [E, 2I, H/8] Quark reorder packing (gate rows then up rows), s13 f32 [E, 2I];
            w2 int32 [E, H, I/8], s2 f32 [E, H] (per-channel; fold a per-tensor scale into these).
-- "w4a16": w13 int32 [E, 2I, H/8] compressed-tensors ("ct") packing, s13 bf16 [E, 2I, H/32];
-           w2 int32 [E, H, I/8], s2 bf16 [E, H, I/32]. Weight = q * s (exact; the kernels scale
-           each group's f32 partial dot, no bf16 rounding of q * s).
+- "w4a16": w13 int32 [E, 2I, H/8] "ct_reorder" packing (compressed-tensors nibbles in the Quark
+           reorder order; the loader repacks a "ct" checkpoint once), s13 bf16 [E, 2I, H/32];
+           w2 int32 [E, H, I/8], s2 bf16 [E, H, I/32]. Weight = q * s (the kernels scale each
+           group's f32 partial dot, no bf16 rounding of q * s; the dot reads q + 136 as bf16 with no
+           convert and subtracts 136 x the group's activation sums, see `kd.group_dot`).
 - "bf16":  w13 bf16 [E, 2I, H], w2 bf16 [E, H, I].
 """
 from __future__ import annotations
@@ -968,20 +970,18 @@ def _w4a16_groups(default: int):
 
 
 def _w4a16_dot(a, w, s, e, n, k, groups: str, acc, w_rows: int):
-    """acc + the group-scaled dot of a bf16 tile with an int4 (ct) weight tile (n, k) and its bf16
-    group-32 scales: per group an f32 dot of the exact int4 values, times s[n, g] (`kd.group_dot`:
-    no multiply or bf16 rounding per weight). One scale per (row, group) is loaded; "sbfe" unpacks
-    each nibble with one signed bit-field extract after one XOR per word (the offset-binary nibbles
-    of "bfe" cost 3 VALU)."""
-    how = kd.tunable("INT4_UNPACK", ("shift", "sbfe"), "shift", "int4 nibble extraction: shifts or signed extracts")
-    q = w.load(e, n, k, unpack=how)
+    """acc + the group-scaled dot of a bf16 tile with an int4 (ct_reorder) weight tile (n, k) and its
+    bf16 group-32 scales: per group an f32 dot of the int4 values, times s[n, g] (`kd.group_dot`: no
+    multiply or bf16 rounding per weight; the pack's nibble pairs become bf16 with one shift, mask
+    and or per two weights). One scale per (row, group) is loaded."""
+    q = w.load(e, n, k)
     sc = s.load(e, n, kd.mx_groups(k, kd.dim(groups), GROUP))
     return kd.group_dot(q, a, sc, acc) if w_rows else kd.group_dot(a, q, sc, acc)
 
 
 @kd.kernel(static=("TOPK",), example={**S1_EXAMPLE, "KG": KIMI["H"] // GROUP},
            checks=S1_CHECKS + [("KG", lambda d: d["K"] == GROUP * d["KG"], "s13 must be [E, N2, K/32] (group 32)")])
-def moe_stage1_w4a16(x: kd.In["M", "K", kd.bf16], w13: kd.In["E", "N2", "K", kd.int4("ct")],
+def moe_stage1_w4a16(x: kd.In["M", "K", kd.bf16], w13: kd.In["E", "N2", "K", kd.int4("ct_reorder")],
                      s13: kd.In["E", "N2", "KG", kd.bf16],
                      sorted_ids: kd.In["S", kd.i32], block_expert: kd.In["NB", kd.i32],
                      inter: kd.Out["S", "I", kd.bf16], TOPK: kd.Dim):
@@ -1156,7 +1156,7 @@ def moe_stage2_w4a8_gq(inter: kd.In["S", "I", kd.i8], inter_s: kd.In["S", "NT", 
 
 @kd.kernel(static=("TOPK",), example={**S2_EXAMPLE, "IG": KIMI["I"] // GROUP},
            checks=[("IG", lambda d: d["I"] == GROUP * d["IG"], "s2 must be [E, H, I/32] (group 32)")])
-def moe_stage2_w4a16(inter: kd.In["S", "I", kd.bf16], w2: kd.In["E", "H", "I", kd.int4("ct")],
+def moe_stage2_w4a16(inter: kd.In["S", "I", kd.bf16], w2: kd.In["E", "H", "I", kd.int4("ct_reorder")],
                      s2: kd.In["E", "H", "IG", kd.bf16], sorted_ids: kd.In["S", kd.i32],
                      block_expert: kd.In["NB", kd.i32], topk_w: kd.In["T", kd.f32],
                      out: kd.InOut["MO", "H", kd.f32], partial: kd.Out["P", "H", kd.f32], TOPK: kd.Dim):
@@ -1487,7 +1487,7 @@ def _dequant(w: MoEWeights, which: str) -> torch.Tensor:
     if w.fmt == "bf16":
         return words.float()
     if w.fmt == "w4a16":
-        q = unpack_int4(words, "ct").float()
+        q = unpack_int4(words, "ct_reorder").float()
         return q * s.float().repeat_interleave(GROUP, dim=-1)
     return unpack_int4(words, "quark_reorder").float()  # w4a8: scales applied after the int dot
 

@@ -1,4 +1,5 @@
-"""Int4 weight packing in plain torch: the three checkpoint layouts (REFERENCE §3) the GEMMs read.
+"""Int4 weight packing in plain torch: the three checkpoint layouts (REFERENCE §3) and the
+W4A16 experts' kernel layout.
 
 Eight signed int4 values share one int32 word along the last (K) dim. The layouts differ in which
 element sits in which nibble and how the nibble encodes the value:
@@ -6,6 +7,9 @@ element sits in which nibble and how the nibble encodes the value:
 - "quark_reorder": element 8c+order[i] in nibble i, order = [0,2,4,6,1,3,5,7], two's complement
                    (AMD Quark `pack_method: "reorder"`, the Kimi W4A8 checkpoint).
 - "ct":            compressed-tensors pack-quantized: element 8c+i in nibble i, nibble = q + 8.
+- "ct_reorder":    "ct" nibbles (q + 8) in the "quark_reorder" order: what the W4A16 expert kernels
+                   read (kd.group_dot turns a nibble pair into two bf16 values with one mask), the
+                   loader repacks "ct" checkpoints to it once.
 Leading batch dims (e.g. experts [E, N, K]) are carried through.
 """
 from __future__ import annotations
@@ -16,6 +20,7 @@ PACKINGS: dict[str, tuple[tuple[int, ...], bool]] = {
     "quark_order": ((0, 1, 2, 3, 4, 5, 6, 7), True),
     "quark_reorder": ((0, 2, 4, 6, 1, 3, 5, 7), True),
     "ct": ((0, 1, 2, 3, 4, 5, 6, 7), False),
+    "ct_reorder": ((0, 2, 4, 6, 1, 3, 5, 7), False),
 }
 
 
@@ -59,8 +64,21 @@ def unpack_int4(words: torch.Tensor, pack: str) -> torch.Tensor:
 
 
 def repack_int4(words: torch.Tensor, src: str, dst: str) -> torch.Tensor:
-    """Convert packed words between layouts (e.g. a "ct" checkpoint to "quark_order")."""
-    return words if src == dst else pack_int4(unpack_int4(words, src), dst)
+    """Convert packed words between layouts (e.g. a "ct" checkpoint to "quark_order"): each nibble
+    moves to the place `dst` gives its element, and flips its top bit where the encodings differ
+    (two's complement q & 0xF = offset binary (q + 8) ^ 8). Word arithmetic only (meta tensors too)."""
+    if src == dst:
+        return words
+    (so, ssigned), (do, dsigned) = _layout(src), _layout(dst)
+    if words.dtype != torch.int32:
+        raise TypeError(f"repack_int4: words must be int32, got {words.dtype}")
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    if ssigned != dsigned:
+        w = w ^ 0x88888888
+    out = torch.zeros_like(w)
+    for i, elem in enumerate(so):
+        out |= ((w >> (4 * i)) & 0xF) << (4 * do.index(elem))
+    return torch.where(out >= 2 ** 31, out - 2 ** 32, out).to(torch.int32)
 
 
 def quantize_int4_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -172,7 +172,7 @@ def test_route_and_experts_kimi(fmt, M):
                            s13.to(DEV), s2.to(DEV))
     else:
         (q13, s13), (q2, s2) = quantize_int4_grouped(w13), quantize_int4_grouped(w2)
-        W = moe.MoEWeights("w4a16", pack_int4(q13, "ct").to(DEV), pack_int4(q2, "ct").to(DEV),
+        W = moe.MoEWeights("w4a16", pack_int4(q13, "ct_reorder").to(DEV), pack_int4(q2, "ct_reorder").to(DEV),
                            s13.bfloat16().to(DEV), s2.bfloat16().to(DEV))
     x = torch.randn(M, H, generator=g).bfloat16().to(DEV)
     wg = (torch.randn(E, H, generator=g) * 0.02).bfloat16().to(DEV)

@@ -432,8 +432,8 @@ def i_dequant_g(w: kd.In["N", "K", kd.int4("ct")], s: kd.In["N", "KG", kd.bf16],
 def pack_ref(q: torch.Tensor, pack: str) -> torch.Tensor:
     """Independent packer: nibble i of each int32 word holds element order[i] of its group of 8."""
     order = {"quark_order": [0, 1, 2, 3, 4, 5, 6, 7], "quark_reorder": [0, 2, 4, 6, 1, 3, 5, 7],
-             "ct": [0, 1, 2, 3, 4, 5, 6, 7]}[pack]
-    nib = (q.long() + 8) if pack == "ct" else (q.long() & 0xF)
+             "ct": [0, 1, 2, 3, 4, 5, 6, 7], "ct_reorder": [0, 2, 4, 6, 1, 3, 5, 7]}[pack]
+    nib = (q.long() + 8) if pack.startswith("ct") else (q.long() & 0xF)
     g = nib.reshape(*q.shape[:-1], -1, 8)
     word = torch.zeros(g.shape[:-1], dtype=torch.long)
     for i, e in enumerate(order):
@@ -474,9 +474,7 @@ def test_dequant_group_scales_bit_exact(how):
     assert torch.equal(out[~ref.isnan()], ref[~ref.isnan()])
 
 
-@kd.kernel
-def i_group_dot(x: kd.In["M", "K", kd.bf16], w: kd.In["N", "K", kd.int4("ct")], s: kd.In["N", "KG", kd.bf16],
-                out: kd.Out["M", "N", kd.f32]):
+def _group_dot_body(x, w, s, out):
     m, n = kd.grid(kd.tile("M", domain=(16,), default=16), kd.tile("N", domain=(16,), default=16))
     bk = kd.tunable("BLOCK_K", (32, 64), 64)
     rows = kd.tunable("Q_ROWS", (0, 1), 0)  # 1: the int tile is the dot's a side
@@ -492,18 +490,48 @@ def i_group_dot(x: kd.In["M", "K", kd.bf16], w: kd.In["N", "K", kd.int4("ct")], 
     out[m, n] = kd.sum(acc, axis=g)
 
 
+@kd.kernel
+def i_group_dot(x: kd.In["M", "K", kd.bf16], w: kd.In["N", "K", kd.int4("ct")], s: kd.In["N", "KG", kd.bf16],
+                out: kd.Out["M", "N", kd.f32]):
+    _group_dot_body(x, w, s, out)
+
+
+@kd.kernel
+def i_group_dot_ctr(x: kd.In["M", "K", kd.bf16], w: kd.In["N", "K", kd.int4("ct_reorder")],
+                    s: kd.In["N", "KG", kd.bf16], out: kd.Out["M", "N", kd.f32]):
+    _group_dot_body(x, w, s, out)
+
+
+@kd.kernel
+def i_group_dot_qr(x: kd.In["M", "K", kd.bf16], w: kd.In["N", "K", kd.int4("quark_reorder")],
+                   s: kd.In["N", "KG", kd.bf16], out: kd.Out["M", "N", kd.f32]):
+    _group_dot_body(x, w, s, out)
+
+
+# the pair-ordered packs reach the dot as bf16 q + 136 (one mask and or per two weights) and
+# subtract 136 x the group's row sums after it: the f32 partial then carries the bias's magnitude
+# (here ~16x the exact-int path's error, 9e-7 of the largest output: the same bound holds)
+GROUP_DOT_PACKS = {"ct": (i_group_dot, False), "ct_reorder": (i_group_dot_ctr, True),
+                   "quark_reorder": (i_group_dot_qr, True)}
+
+
+@pytest.mark.parametrize("pack", sorted(GROUP_DOT_PACKS))
 @pytest.mark.parametrize("bk,rows", [(64, 0), (32, 1), (64, 1)])
-def test_group_dot_scales_after_the_dot(bk, rows):
+def test_group_dot_scales_after_the_dot(bk, rows, pack):
     """kd.group_dot = sum over groups of s[n, g] * (x . q over the group's 32 K), the int4 values
     exact (no bf16 rounding of q * s): f32-accurate against float64, both operand sides, M/N/K
-    tails (K = 3 groups: half a 64-wide tile)."""
+    tails (K = 3 groups: half a 64-wide tile); the pair-ordered packs by the biased bf16 form."""
+    kern, biased = GROUP_DOT_PACKS[pack]
     g = gen(14)
     M, N, K = 19, 21, 96
     x = torch.randn(M, K, generator=g).bfloat16()
     q = torch.randint(-8, 8, (N, K), generator=g, dtype=torch.int8)
+    q[0, :16] = torch.arange(-8, 8, dtype=torch.int8)  # every value, both nibbles of each pair
     s = (torch.rand(N, K // 32, generator=g) * 0.05 + 0.01).bfloat16()
     out = poisoned((M, N), torch.float32)
-    i_group_dot(x, pack_ref(q, "ct"), s, out, config={"BLOCK_K": bk, "Q_ROWS": rows})
+    cfg = {"BLOCK_K": bk, "Q_ROWS": rows}
+    assert ("0x43004300" in kern.source(cfg)) == biased
+    kern(x, pack_ref(q, pack), s, out, config=cfg)
     ref = x.double() @ (q.double() * s.double().repeat_interleave(32, dim=1)).t()
     torch.testing.assert_close(out.double(), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
     coarse = x.double() @ (q.float() * s.float().repeat_interleave(32, dim=1)).bfloat16().double().t()

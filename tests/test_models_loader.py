@@ -286,7 +286,7 @@ def test_stack_experts_fused_moe_layout(fx_dir, kind, fmt):
     def deq(w, s):
         if fmt == "bf16":
             return w.float()
-        q = unpack_int4(w, "ct" if fmt == "w4a16" else "quark_reorder").float()
+        q = unpack_int4(w, "ct_reorder" if fmt == "w4a16" else "quark_reorder").float()
         if s.dim() == 2:
             return (q.reshape(*s.shape, 32) * s.float()[..., None]).reshape(q.shape)
         return q * s[:, None]

@@ -38,7 +38,7 @@ def make_weights(fmt: str, E: int, H: int, I: int, seed: int = 0) -> moe.MoEWeig
         return moe.MoEWeights("w4a8", pack_int4(q13, "quark_reorder"), pack_int4(q2, "quark_reorder"), s13, s2)
     q13, s13 = quantize_int4_grouped(w13)
     q2, s2 = quantize_int4_grouped(w2)
-    return moe.MoEWeights("w4a16", pack_int4(q13, "ct"), pack_int4(q2, "ct"), s13.bfloat16(), s2.bfloat16())
+    return moe.MoEWeights("w4a16", pack_int4(q13, "ct_reorder"), pack_int4(q2, "ct_reorder"), s13.bfloat16(), s2.bfloat16())
 
 
 def make_inputs(M: int, E: int, H: int, seed: int = 1):
@@ -241,9 +241,8 @@ def test_experts_formats(fmt, M, shape, reduce):
         cfg = {"stage2": {"REDUCE": reduce}, "quant": FAST["quant"]}  # one run at the GEMM kernel defaults
     if M == 7:
         cfg["stage2_quant"] = "fused"  # W4A8: stage 2 quantizes its own A tiles
-    if M == 4 and fmt != "bf16":  # the other int4 unpack lowering than each format's default
-        how = {"w4a8": "shift", "w4a16": "sbfe"}[fmt]
-        cfg = {**cfg, "stage1": {**cfg["stage1"], "INT4_UNPACK": how}, "stage2": {**cfg["stage2"], "INT4_UNPACK": how}}
+    if M == 4 and fmt == "w4a8":  # the other int4 unpack lowering than the default (W4A16 has one)
+        cfg = {**cfg, "stage1": {**cfg["stage1"], "INT4_UNPACK": "shift"}, "stage2": {**cfg["stage2"], "INT4_UNPACK": "shift"}}
     y = moe.fused_experts(x, ids, wts, W, config=cfg)
     ref = moe.fused_experts(x, ids, wts, W, backend="torch")
     assert y.shape == (M, shape["H"]) and torch.isfinite(y).all()

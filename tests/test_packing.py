@@ -37,13 +37,19 @@ def test_layouts_bitwise():
     assert (pack_int4(q, "quark_reorder").item() & 0xFFFFFFFF) == 0x86427531
     # compressed-tensors: nibble = q + 8, sequential
     assert (pack_int4(q, "ct").item() & 0xFFFFFFFF) == 0x0FEDCBA9
+    # ct values in the reorder order: elements 2i, 2i+1 in nibbles i, i+4 (what kd.group_dot reads)
+    assert (pack_int4(q, "ct_reorder").item() & 0xFFFFFFFF) == 0x0ECAFDB9
     assert (pack_int4(torch.full((1, 8), -1, dtype=torch.int8), "quark_order").item()) == -1
 
 
 def test_repack_and_quantize():
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (3, 64), generator=g, dtype=torch.int8)
-    assert torch.equal(repack_int4(pack_int4(q, "ct"), "ct", "quark_reorder"), pack_int4(q, "quark_reorder"))
+    q[0, :16] = torch.arange(-8, 8, dtype=torch.int8)
+    for src in PACKS:  # word arithmetic, every pair of layouts (and on meta tensors: no value reads)
+        for dst in PACKS:
+            assert torch.equal(repack_int4(pack_int4(q, src), src, dst), pack_int4(q, dst)), (src, dst)
+    assert repack_int4(torch.empty(2, 8, dtype=torch.int32, device="meta"), "ct", "ct_reorder").shape == (2, 8)
     w = torch.randn(4, 64, generator=g)
     qc, sc = quantize_int4_per_channel(w)
     assert qc.abs().max() <= 8 and sc.shape == (4,)

@@ -59,12 +59,38 @@ def test_gfx950_moe_stage1_w4a16_main_loop_is_found():
     from autotune.problems import full_dims
     from ops.moe import moe_stage1_w4a16
 
-    cfg = {"BLOCK_N": 16, "BLOCK_M": 16, "BLOCK_K": 64, "INT4_UNPACK": "sbfe", "num_warps": 4, "num_stages": 2}
+    cfg = {"BLOCK_N": 16, "BLOCK_M": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
     prob = {"E": 384, "K": 7168, "I": 2048, "TOPK": 8}
     dims = full_dims(moe_stage1_w4a16, prob, 16, cfg, get_target("gfx950"))
     r = aot.report(moe_stage1_w4a16, "gfx950", cfg, dims)
     assert r.ok and r.matrix_in_main_loop > 0 and r.valu_in_main_loop > 0
     assert r.lds_slot_bytes_in_main_loop > 0 and r.main_loop_depth >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.aot
+def test_gfx950_w4a16_and_mla_split_without_converts_or_divisions():
+    """The VALU the step's W4A16 stages and MLA split kernel were bound by, gone from the gfx950 ISA:
+    stage 1's K loop makes bf16 weights with no int->float convert or bit-field extract (kd.group_dot's
+    biased pairs: 213 -> 166 VALU for 64 weights a lane), and the split kernel normalizes its partial
+    by one reciprocal per row (no IEEE division per element: 1428 -> 827 VALU at q_len 4)."""
+    from autotune.problems import full_dims
+    from ops.mla import mla_decode_split
+    from ops.moe import moe_stage1_w4a16
+
+    t = get_target("gfx950")
+    cfg = {"BLOCK_N": 64, "BLOCK_M": 16, "W_ROWS": 1, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1}
+    dims = full_dims(moe_stage1_w4a16, {"E": 384, "K": 7168, "I": 2048, "TOPK": 8}, 1, cfg, t)
+    code = aot.asm(moe_stage1_w4a16, t, cfg, dims)
+    loop = aot._main_loop(aot._blocks(code, r"^(\.LBB\S+?):"), lambda i: i.startswith("v_mfma"))
+    valu = [i for i in loop if i.startswith("v_") and not i.startswith("v_mfma")]
+    assert loop and not any(i.startswith(("v_cvt_f32_i32", "v_bfe_")) for i in valu)
+    assert len(valu) <= 2.7 * 64  # weights a lane per K step: 2 x 64 x 128 / 256
+    mcfg = {"BLOCK_M": 64, "BLOCK_N": 32, "PV_T": 1, "KV_ROWS": 0, "QK_BLOCK": 64, "num_warps": 8,
+            "matrix_instr_nonkdim": 16}
+    mdims = full_dims(mla_decode_split, {"QL": 4, "H": 64, "DL": 512, "DR": 64, "PS": 64}, 1, mcfg, t)
+    # one division per row for its reciprocal (2 scale steps each), not one per element (128 before)
+    assert aot.asm(mla_decode_split, t, mcfg, mdims).count("v_div_scale_f32") <= 4
 
 
 def _rep(**kw):
