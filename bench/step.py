@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
+import hashlib
 import json
 import math
 import os
@@ -41,6 +43,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bench.meta_model import EXPERT_FORMATS, KIMI_K25_CONFIG, HostShadowMode, build_model, limit_layers, run_step
@@ -241,13 +244,25 @@ def _save_cache(d: dict[str, Any]) -> None:
         pass
 
 
+@functools.lru_cache(maxsize=1)
+def _kdsl_hash() -> str:
+    """The kdsl package's own code: a lowering change (same kernel source, other generated Triton)
+    must not reuse the reports of the old code."""
+    import kdsl
+
+    h = hashlib.sha256()
+    for f in sorted(Path(kdsl.__file__).parent.glob("*.py")):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _report_key(r: Any, arch: str) -> str:
     import triton
 
     from autotune.store import helpers_hash, kernel_source_hash
 
-    return json.dumps([r.kernel.name, kernel_source_hash(r.kernel), helpers_hash(r.kernel), arch, triton.__version__,
-                       sorted(r.config.items()), sorted(r.dims.items())], default=str)
+    return json.dumps([r.kernel.name, kernel_source_hash(r.kernel), helpers_hash(r.kernel), _kdsl_hash(), arch,
+                       triton.__version__, sorted(r.config.items()), sorted(r.dims.items())], default=str)
 
 
 def compile_reports(launches: list[Any], arch: str, workers: int | None = None, log: Any = None) -> dict[str, Any]:

@@ -472,7 +472,9 @@ class Emitter:
         2i+1 of a pair-ordered pack) sit 16 bits apart, so `(w >> 4i) & 0x000F000F | 0x43004300` is
         the bf16 pair (128 + n0, 128 + n1) with n = q + 8 (the exponent of 128 makes the nibble the
         integer part of the mantissa). No convert, no sign extension: kd.group_dot subtracts the bias
-        through each group's row sums of its other operand (`op_group_dot`)."""
+        through each group's row sums of its other operand (`op_group_dot`). On AMD the mask and or are
+        one `v_and_or_b32` (inline: with two literal constants LLVM emits an and and an or, as GFX9's
+        three-operand encodings take no literal): 1 shift + 1 op per two weights."""
         if pack.twos:  # two's complement: flipping each nibble's top bit gives q + 8
             flipped = self.fresh("wx")
             self.w(f"{flipped} = {words} ^ -2004318072  # 0x88888888")
@@ -481,7 +483,12 @@ class Emitter:
         for i in range(4):
             t, pr = self.fresh("t"), self.fresh("pr")
             shifted = f"({words} >> {4 * i})" if i else words
-            self.w(f"{t} = ({shifted} & 0x000F000F) | 0x43004300  # elements {2 * i}, {2 * i + 1} as bf16 128 + q + 8")
+            if getattr(self.target, "backend", None) == "hip":
+                self.w(f'{t} = tl.inline_asm_elementwise("v_and_or_b32 $0, $1, $2, $3", "=v,v,v,v", '
+                       f'[{shifted}, tl.full([], 0x000F000F, tl.int32), tl.full([], 0x43004300, tl.int32)], '
+                       f'dtype=tl.int32, is_pure=True, pack=1)  # elements {2 * i}, {2 * i + 1} as bf16 128 + q + 8')
+            else:
+                self.w(f"{t} = ({shifted} & 0x000F000F) | 0x43004300  # elements {2 * i}, {2 * i + 1} as bf16 128 + q + 8")
             self.w(f"{pr} = tl.join({t}.to(tl.int16).to(tl.bfloat16, bitcast=True), "
                    f"({t} >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))")
             pairs.append(pr)

@@ -479,8 +479,9 @@ def group_dot(a: Value, b: Value, scale: Value, acc: Value | None = None) -> Val
     partial sum is one f32 matrix dot, so a weight costs its unpack and convert only. When `q` is an
     int4 load of a pack whose nibbles i and i+4 hold elements 2i and 2i+1 ("ct_reorder",
     "quark_reorder") and only group dots read it, two weights become the bf16 pair 136 + q with one
-    shift, mask and or (no convert), and the dot subtracts 136 x each group's sums of the other
-    operand: ~1.4 instead of ~3.3 VALU per weight, the f32 partial carrying the bias's rounding.
+    shift and one mask-and-or (no convert), and the dot subtracts 136 x each group's sums of the other
+    operand: gfx950's W4A16 stage-1 loop 3.3 -> 2.1 VALU per weight, the f32 partial carrying the
+    bias's rounding.
     (`kd.dequant` instead multiplies and rounds every weight: `q * s` to bf16, coarser numerics.) The result keeps the groups as a leading axis (the accumulator's own when `acc` is
     given): carry it through the K loop and `kd.sum` it over that axis once at the end, so no
     cross-warp sum runs per K tile. All of a's and b's non-K dims and the group (K tile / groups)
