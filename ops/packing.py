@@ -16,12 +16,7 @@ from __future__ import annotations
 
 import torch
 
-PACKINGS: dict[str, tuple[tuple[int, ...], bool]] = {
-    "quark_order": ((0, 1, 2, 3, 4, 5, 6, 7), True),
-    "quark_reorder": ((0, 2, 4, 6, 1, 3, 5, 7), True),
-    "ct": ((0, 1, 2, 3, 4, 5, 6, 7), False),
-    "ct_reorder": ((0, 2, 4, 6, 1, 3, 5, 7), False),
-}
+from kdsl.types import INT4_PACKINGS as PACKINGS  # (nibble order, two's complement?): the kernels' own table
 
 
 def _layout(pack: str) -> tuple[tuple[int, ...], bool]:
