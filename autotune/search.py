@@ -533,7 +533,11 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     # each bucket's best tile (a cheap local search)
     # a launch-only tunable of the shared tile (a BLOCK_M that changes no bit) was sampled with the
     # tile at random: each bucket's best first tries every value of its domain, then the options
-    tun = tun if shared is not None else ()
+    # where the buckets pick independently, each one's best tries the model's launch_keys the same way
+    # (lowering choices that change no bit, e.g. the int4 unpack of the exact W4A8 stages)
+    if shared is None:
+        tun = () if pm.shared_numerics else tuple(n for n in pm.launch_keys
+                                                  if all(n in spaces[b].domains for b in buckets))
     if tun and not budget_hit:
         first = _launch_polish(kernel, target, prob, scored_prob, buckets, spaces, jobs, reports, shared, tun)
         jobs.update(first)

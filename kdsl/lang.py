@@ -943,7 +943,7 @@ def _index_values(h, idx: Sequence[Any]) -> list[Value | int]:
     return out
 
 
-INT4_UNPACKS = ("shift", "bfe", "sbfe")
+INT4_UNPACKS = ("shift", "bfe", "sbfe", "swar")
 
 
 def load(h, *idx: Any, mask: Value | None = None, other: int | float = 0, unpack: str = "shift") -> Value:
@@ -953,7 +953,8 @@ def load(h, *idx: Any, mask: Value | None = None, other: int | float = 0, unpack
     vector of shift amounts (2 shifts per element); "bfe" extracts each nibble with constant shifts
     (one sign-extending bit-field extract per element on AMD for two's-complement packings) and
     interleaves them with tl.join; "sbfe" is "bfe" that first flips an offset-binary packing's sign
-    bits (one XOR per word), so every nibble is one signed extract there too."""
+    bits (one XOR per word), so every nibble is one signed extract there too; "swar" sign-extends
+    four nibbles per word operation into bytes (mask, add, xor on whole words, then byte moves)."""
     if T.is_fp4(h.dtype):
         return _load_fp4(h, idx, mask)
     c = ctx()

@@ -318,7 +318,7 @@ RECORDS: dict[str, OpRecord] = {r.name: r for r in (
          doc="int8 x per-group bf16 scale, rounded to bf16"),
     _rec("load", _ACCESS, (AttrSpec("other", NUMBER), _BOUNDS,
                            AttrSpec("bound_mode", STR, required=False, choices=("clamp",))), rule=_access("plain")),
-    _rec("load_int4", _ACCESS, (AttrSpec("pack", PACK), AttrSpec("unpack", STR, choices=("shift", "bfe", "sbfe")),
+    _rec("load_int4", _ACCESS, (AttrSpec("pack", PACK), AttrSpec("unpack", STR, choices=("shift", "bfe", "sbfe", "swar")),
                                 _BOUNDS, AttrSpec("packed", PACKED, required=False)), rule=_access("int4"),
          doc="int4 words of a tile, unpacked to i8"),
     _rec("load_fp4", _ACCESS, (_BOUNDS, AttrSpec("packed", PACKED, required=False)), rule=_access("fp4"),

@@ -841,7 +841,8 @@ def _k_tiles(dim: str, default: int = 128):
 
 def _unpack(default: str = "bfe") -> str:
     """The int4 unpack lowering (kdsl `load(..., unpack=)`), tuned like a tile size."""
-    return kd.tunable("INT4_UNPACK", ("shift", "bfe"), default, "int4 nibble extraction: shifts or bit-field extracts")
+    return kd.tunable("INT4_UNPACK", ("shift", "bfe", "swar"), default,
+                       "int4 nibble extraction: shifts, bit-field extracts, or four nibbles per word operation")
 
 
 def _w_rows(default: int) -> int:

@@ -608,3 +608,27 @@ def test_numerics_neighbors_find_the_tile_one_key_away(monkeypatch):
     jobs.update(new)
     reports.update({k: {"ok": True} for k in new})
     assert dict(search._shared_numerics(K, t, PROB, buckets, jobs, reports))["BLOCK_K"] == 128
+
+
+def test_tune_tries_every_lowering_of_each_buckets_best(tmp_path, monkeypatch):
+    """The exact W4A8 stages pick their tile per bucket (no shared numerics); the int4 unpack
+    lowering changes no bit (ProblemModel.launch_keys), so each bucket's best tile is also compiled
+    with every INT4_UNPACK value: a one-candidate sample (the default "bfe") still ends on the
+    lowering the cost model prefers."""
+    from autotune import search
+    from autotune.problems import model_for
+    from ops.moe import moe_stage1_w4a8_amax as S1
+
+    assert "INT4_UNPACK" in model_for(S1).launch_keys and not model_for(S1).shared_numerics
+
+    def fake_compile(kernel, target, jobs, reports, workers, deadline, progress):
+        for k in jobs:
+            reports.setdefault(k, {"ok": True})
+        return False
+
+    monkeypatch.setattr(search, "_compile", fake_compile)
+    monkeypatch.setattr(search, "score", lambda kernel, target, p, m, c, rep:
+                        {"predicted_us": 1.0 if c["INT4_UNPACK"] == "swar" else 2.0})
+    _, doc = search.tune(S1, "gfx942", {"E": 384, "K": 7168, "I": 256, "TOPK": 8}, [1, 8], max_candidates=1,
+                         out=str(tmp_path), write=False, progress=False)
+    assert [e["config"]["INT4_UNPACK"] for e in doc["entries"]] == ["swar", "swar"]

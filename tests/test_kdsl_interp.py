@@ -423,6 +423,30 @@ def i_int4_qr_sbfe(w: kd.In["N", "K", kd.int4("quark_reorder")], out: kd.Out["N"
 
 
 @kd.kernel
+def i_int4_qo_swar(w: kd.In["N", "K", kd.int4("quark_order")], out: kd.Out["N", "K", kd.i8]):
+    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
+    out[n, k] = w.load(n, k, unpack="swar")
+
+
+@kd.kernel
+def i_int4_qr_swar(w: kd.In["N", "K", kd.int4("quark_reorder")], out: kd.Out["N", "K", kd.i8]):
+    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
+    out[n, k] = w.load(n, k, unpack="swar")
+
+
+@kd.kernel
+def i_int4_ct_swar(w: kd.In["N", "K", kd.int4("ct")], out: kd.Out["N", "K", kd.i8]):
+    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
+    out[n, k] = w.load(n, k, unpack="swar")
+
+
+@kd.kernel
+def i_int4_ctr_swar(w: kd.In["N", "K", kd.int4("ct_reorder")], out: kd.Out["N", "K", kd.i8]):
+    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
+    out[n, k] = w.load(n, k, unpack="swar")
+
+
+@kd.kernel
 def i_dequant_g(w: kd.In["N", "K", kd.int4("ct")], s: kd.In["N", "KG", kd.bf16], out: kd.Out["N", "K", kd.bf16]):
     n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(32, 64), default=64))
     q = w.load(n, k, unpack=kd.tunable("INT4_UNPACK", ("shift", "sbfe"), "sbfe"))
@@ -444,7 +468,9 @@ def pack_ref(q: torch.Tensor, pack: str) -> torch.Tensor:
 @pytest.mark.parametrize("kern,pack", [(i_int4_qo, "quark_order"), (i_int4_qr, "quark_reorder"), (i_int4_ct, "ct"),
                                        (i_int4_qo_bfe, "quark_order"), (i_int4_qr_bfe, "quark_reorder"),
                                        (i_int4_ct_bfe, "ct"), (i_int4_ct_sbfe, "ct"),
-                                       (i_int4_qr_sbfe, "quark_reorder")])
+                                       (i_int4_qr_sbfe, "quark_reorder"),
+                                       (i_int4_qo_swar, "quark_order"), (i_int4_qr_swar, "quark_reorder"),
+                                       (i_int4_ct_swar, "ct"), (i_int4_ctr_swar, "ct_reorder")])
 def test_int4_unpack(kern, pack):
     g = gen(12)
     N, K = 7, 40                                   # K tail: 40 = 2.5 tiles of 16

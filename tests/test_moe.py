@@ -135,7 +135,7 @@ def test_align_invariants(E, M, K, bm):
 # ----------------------------------------------------------------------------------------------
 # stage kernels: W4A8 exact in int32
 
-@pytest.mark.parametrize("M,unpack", [(1, "bfe"), (5, "bfe"), (5, "shift")])
+@pytest.mark.parametrize("M,unpack", [(1, "bfe"), (5, "bfe"), (5, "shift"), (1, "swar"), (5, "swar")])
 def test_stage1_w4a8_i32_exact(M, unpack):
     E, H, I, K = 16, 64, 32, 4
     W = make_weights("w4a8", E, H, I)

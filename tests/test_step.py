@@ -94,6 +94,27 @@ def test_gfx950_w4a16_and_mla_split_without_converts_or_divisions():
     assert aot.asm(mla_decode_split, t, mcfg, mdims).count("v_div_scale_f32") <= 4
 
 
+def test_gfx942_w4a8_swar_unpack_cuts_the_stage1_loop():
+    """INT4_UNPACK "swar" (four nibbles per word operation) against one bit-field extract per weight
+    in the step's TP8 W4A8 stage 1 tile on gfx942: no v_bfe, and the K loop's VALU 77 -> 57 for 32
+    weights a lane (~1.25 per weight for the unpack instead of ~2.4)."""
+    from autotune.problems import full_dims
+    from ops.moe import moe_stage1_w4a8_amax
+
+    t = get_target("gfx942")
+    counts = {}
+    for how in ("bfe", "swar"):
+        cfg = {"BLOCK_N": 16, "BLOCK_M": 16, "INT4_UNPACK": how, "W_ROWS": 0, "BLOCK_K": 256, "num_warps": 4,
+               "num_stages": 2, "kpack": 2}
+        dims = full_dims(moe_stage1_w4a8_amax, {"E": 384, "K": 7168, "I": 256, "TOPK": 8}, 1, cfg, t)
+        loop = aot._main_loop(aot._blocks(aot.asm(moe_stage1_w4a8_amax, t, cfg, dims), r"^(\.LBB\S+?):"),
+                              lambda i: i.startswith("v_mfma"))
+        counts[how] = [i for i in loop if i.startswith("v_") and not i.startswith("v_mfma")]
+    assert any(i.startswith("v_bfe_i32") for i in counts["bfe"])
+    assert not any(i.startswith("v_bfe_") for i in counts["swar"])
+    assert len(counts["swar"]) <= len(counts["bfe"]) - 16  # 57 vs 77
+
+
 def test_report_cache_key_follows_the_kdsl_code(monkeypatch):
     """A lowering change (same kernel source, other generated code) must not reuse cached reports."""
     import types
