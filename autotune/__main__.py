@@ -191,6 +191,7 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
     from .problems import full_dims
     from .buckets import bucket_m
     from .search import _run_job, compile_m
+    from .costmodel import VERSION
     from .store import ConfigFileError, helpers_hash, iter_files, kernel_source_hash, load_file
 
     reg = _kernels(extra)
@@ -210,9 +211,16 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
             log(f"STALE {path}: kernel source hash {doc['provenance'].get('kernel_source_hash')} != current {h} "
                 f"(re-tune: python -m autotune tune {k.name} ...)")
             stale += 1
-        elif "helpers_hash" in doc["provenance"] and doc["provenance"]["helpers_hash"] != helpers_hash(k):
+        elif "helpers_hash" not in doc["provenance"]:
+            log(f"STALE {path}: tuned before helper hashes were recorded (a helper change would go unseen; re-tune)")
+            stale += 1
+        elif doc["provenance"]["helpers_hash"] != helpers_hash(k):
             log(f"STALE {path}: a helper of {k.name} changed (helpers hash {doc['provenance']['helpers_hash']} != "
                 f"current {helpers_hash(k)}; re-tune)")
+            stale += 1
+        elif doc["provenance"].get("mode", "static") == "static" and doc["provenance"].get("cost_model") != VERSION:
+            log(f"STALE {path}: ranked by {doc['provenance'].get('cost_model')!r}, the cost model is now {VERSION!r} "
+                f"(re-tune)")
             stale += 1
         entries = doc["entries"] if sample is None else doc["entries"][:sample]
         for e in entries:
@@ -243,7 +251,7 @@ def cmd_check(a: argparse.Namespace) -> int:
     if a.workers is not None and not 1 <= a.workers <= 256:
         _fail(f"autotune: --workers must be in 1..256, got {a.workers}")
     n, bad, stale = check_files(a.dir, compile=not a.no_compile, extra=a.module, workers=a.workers)
-    print(f"checked {n} files: {bad} problems, {stale} stale kernel hashes")
+    print(f"checked {n} files: {bad} problems, {stale} stale (re-tune them)")
     if bad or (stale and a.strict_hash):
         return 1
     return 0

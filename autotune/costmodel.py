@@ -52,6 +52,9 @@ _AMD_MM = re.compile(r"^v_(?:s)?mfma(?:_scale)?_(\w+?)_(\d+)x(\d+)x(\d+)(\w*)$")
 _WGMMA = re.compile(r"m(\d+)n(\d+)k(\d+)")
 _MMA = re.compile(r"m(\d+)n(\d+)k(\d+)")
 
+# recorded in every statically tuned file; `autotune check` flags files ranked by another version
+VERSION = "autotune.costmodel v3"
+
 SPILL_FACTOR = 2.0
 
 # LDS bandwidth per CU (SM), bytes per clock. gfx942 (CDNA3): 128 B/clk (32 banks x 4 B, AMD CDNA3

@@ -598,7 +598,7 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
             "triton_version": target_identity(target, False)["triton_version"], "mode": mode,
             "max_candidates": max_candidates, "budget_s": budget_s, "budget_hit": budget_hit,
             "elapsed_s": round(time.monotonic() - t0, 1),
-            "cost_model": "autotune.costmodel v3" if mode == "static" else "measured (CUDA/HIP events)",
+            "cost_model": costmodel.VERSION if mode == "static" else "measured (CUDA/HIP events)",
             "problem_key": problem_key(kernel, prob),
             **({"model_dims": {d: scored_prob[d] for d in MODEL_DIMS if d in scored_prob}}
                if scored_prob != prob else {}),

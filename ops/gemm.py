@@ -54,8 +54,10 @@ def _unpack(default: str = "bfe") -> str:
     Measured on the gfx942 ISA at the Kimi shape (M=1, N=4096, K=7168): with the MFMA tile
     (16, 64, 128) "bfe" cuts main-loop LDS ops 61 -> 13 and VGPRs 90 -> 56 (gfx950: 50 -> 12,
     sm90: 136 -> 14); with the VALU decode tile (1, 16, 256) "shift" is slightly leaner
-    (67 vs 70 VALU, 20 vs 29 LDS ops). W4A16 keeps "shift" (bfe adds spills at BLOCK_K=128)."""
-    return kd.tunable("INT4_UNPACK", ("shift", "bfe"), default)
+    (67 vs 70 VALU, 20 vs 29 LDS ops). W4A16 keeps "shift" (bfe adds spills at BLOCK_K=128).
+    "swar" unpacks four nibbles per word operation (kdsl `load(..., unpack="swar")`). Exact either way:
+    the tuner tries each for every bucket's best tile (ProblemModel.launch_keys)."""
+    return kd.tunable("INT4_UNPACK", ("shift", "bfe", "swar"), default)
 
 
 def _int_acc(x, w, m, n):

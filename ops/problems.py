@@ -216,9 +216,10 @@ def _rmsnorm_split(p: Problem, c: dict[str, Any]) -> Problem:
     return {"P": d["S"], "KS": d["KS"]}
 
 
-# the W4A8 expert stages are exact integer dots: how the int4 weights are unpacked changes no bit,
-# so each M bucket's best tile also tries every lowering (autotune.search.tune)
-W4A8_LOWERING = ("INT4_UNPACK",)
+# how int4 weights are unpacked changes no bit (the values are exact: the W4A8 expert stages and
+# int4 GEMMs are integer dots, the dense W4A16 GEMM scales exact values), so each M bucket's best
+# tile also tries every lowering (autotune.search.tune)
+INT4_LOWERING = ("INT4_UNPACK",)
 
 MODELS: list[ProblemModel] = [
     ProblemModel("gemm_bf16_silu_mul", ("N2", "K"), peak_dtype="bf16", bytes_fn=_silu_gemm_bytes,
@@ -279,33 +280,34 @@ MODELS: list[ProblemModel] = [
     ProblemModel("gemm_w8a8*", ("N", "K"), peak_dtype="i8", bytes_fn=_gemm(1, 1, "i8")[0],
                  flops_fn=_gemm(1, 1, "i8")[1]),
     ProblemModel("gemm_w4a8*", ("N", "K"), peak_dtype="i8", bytes_fn=_gemm(0.5, 1, "i8")[0],
-                 flops_fn=_gemm(0.5, 1, "i8")[1]),
+                 flops_fn=_gemm(0.5, 1, "i8")[1], launch_keys=INT4_LOWERING),
     ProblemModel("gemm_w4a16*", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(0.5, 2, "bf16", 32)[0],
-                 flops_fn=_gemm(0.5, 2, "bf16", 32)[1], derived=lambda p, m, c: {"G": p["K"] // 32}),
+                 flops_fn=_gemm(0.5, 2, "bf16", 32)[1], derived=lambda p, m, c: {"G": p["K"] // 32},
+                 launch_keys=INT4_LOWERING),
     ProblemModel("moe_stage1_w4a8", ("E", "K", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe(1, 0.5, 1, False)[0],
                  flops_fn=_moe(1, 0.5, 1, False)[1], derived=_moe_stage1_derived,
-                 launch_keys=W4A8_LOWERING),
+                 launch_keys=INT4_LOWERING),
     ProblemModel("moe_stage1_w4a8_q", ("E", "K", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe_q(1)[0],
-                 flops_fn=_moe_q(1)[1], derived=_moe_stage1q_derived, launch_keys=W4A8_LOWERING),
+                 flops_fn=_moe_q(1)[1], derived=_moe_stage1q_derived, launch_keys=INT4_LOWERING),
     ProblemModel("moe_stage2_w4a8_gq", ("E", "H", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe_q(2)[0],
                  flops_fn=_moe_q(2)[1], derived=_moe_stage2gq_derived, m_of=_moe_stage2_m, loop_dim="I",
-                 launch_keys=W4A8_LOWERING),
+                 launch_keys=INT4_LOWERING),
     ProblemModel("moe_stage1_w4a8_amax", ("E", "K", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe_amax(1)[0],
                  flops_fn=_moe_amax(1)[1], derived=_moe_stage1a_derived,
-                 launch_keys=W4A8_LOWERING),
+                 launch_keys=INT4_LOWERING),
     ProblemModel("moe_stage2_w4a8_aq", ("E", "H", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe_amax(2)[0],
                  flops_fn=_moe_amax(2)[1], derived=_moe_stage2a_derived, m_of=_moe_stage2_m, loop_dim="I",
-                 launch_keys=W4A8_LOWERING),
+                 launch_keys=INT4_LOWERING),
     ProblemModel("moe_stage1_w4a16", ("E", "K", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(1, 0.5, 2, True)[0],
                  flops_fn=_moe(1, 0.5, 2, True)[1], derived=_moe_stage1_derived, shared_numerics=True),
     ProblemModel("moe_stage1_bf16", ("E", "K", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(1, 2, 2, False)[0],
                  flops_fn=_moe(1, 2, 2, False)[1], derived=_moe_stage1_derived, shared_numerics=True),
     ProblemModel("moe_stage2_w4a8_pq", ("E", "H", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe(2, 0.5, 1, False)[0],
                  flops_fn=_moe(2, 0.5, 1, False)[1], derived=_moe_stage2_derived, m_of=_moe_stage2_m, loop_dim="I",
-                 launch_keys=W4A8_LOWERING),
+                 launch_keys=INT4_LOWERING),
     ProblemModel("moe_stage2_w4a8", ("E", "H", "I", "TOPK"), peak_dtype="i8", bytes_fn=_moe(2, 0.5, 2, False)[0],
                  flops_fn=_moe(2, 0.5, 2, False)[1], derived=_moe_stage2_derived, m_of=_moe_stage2_m, loop_dim="I", loops=2,
-                 launch_keys=W4A8_LOWERING),
+                 launch_keys=INT4_LOWERING),
     ProblemModel("moe_stage2_w4a16", ("E", "H", "I", "TOPK"), peak_dtype="bf16", bytes_fn=_moe(2, 0.5, 2, True)[0],
                  flops_fn=_moe(2, 0.5, 2, True)[1], derived=_moe_stage2_derived, m_of=_moe_stage2_m, loop_dim="I",
                  shared_numerics=True),

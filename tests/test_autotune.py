@@ -313,6 +313,24 @@ def test_check_committed_configs_parse_and_hash():
             assert "roofline_fraction" in e["figures"] and ("predicted_us" in e["figures"] or "measured_us" in e["figures"])
 
 
+def test_check_flags_files_without_helper_hashes_or_from_another_cost_model(tmp_path):
+    """A file tuned before helper hashes were recorded (a helper change would go unseen) or ranked
+    by another cost model version is stale: `autotune check` says which and why."""
+    from autotune.__main__ import check_files
+
+    doc = _doc([(1, {"BLOCK_N": 16})])
+    doc["provenance"].update(helpers_hash=store.helpers_hash(K), cost_model=costmodel.VERSION)
+    for edit, why in ((lambda p: None, None), (lambda p: p.pop("helpers_hash"), "before helper hashes"),
+                      (lambda p: p.update(cost_model="autotune.costmodel v2"), "ranked by 'autotune.costmodel v2'")):
+        d = json.loads(json.dumps(doc))
+        edit(d["provenance"])
+        _write(str(tmp_path), d)
+        problems: list[str] = []
+        n, bad, stale = check_files(str(tmp_path), compile=False, log=problems.append)
+        assert (n, bad, stale) == (1, 0, 0 if why is None else 1), problems
+        assert why is None or why in problems[0], problems
+
+
 @pytest.mark.aot
 @pytest.mark.slow
 def test_check_committed_configs_compile_sample():

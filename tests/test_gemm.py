@@ -21,7 +21,7 @@ SHAPES = st.tuples(st.sampled_from([1, 4, 16, 7]), st.integers(1, 40), st.sample
 FEW = settings(max_examples=5)
 CONFIGS = st.sampled_from([{"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32}, {"BLOCK_M": 4, "BLOCK_N": 16, "BLOCK_K": 64},
                            {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}])
-UNPACK = st.sampled_from(["shift", "bfe"])  # kdsl int4 lowerings (tunable INT4_UNPACK of the int4 kernels)
+UNPACK = st.sampled_from(["shift", "bfe", "swar"])  # kdsl int4 lowerings (tunable INT4_UNPACK of the int4 kernels)
 
 
 def _ulp_bf16(y: torch.Tensor) -> torch.Tensor:
@@ -165,19 +165,21 @@ def test_config_errors():
 
 
 def test_kdsl_int4_unpack_lowerings_agree():
-    """kdsl extension: `h.load(..., unpack="bfe")` (constant-shift nibbles + tl.join) equals the
-    default "shift" lowering for every packing; an unknown lowering is an error naming it."""
+    """kdsl extension: `h.load(..., unpack="bfe")` (constant-shift nibbles + tl.join) and "swar"
+    (four nibbles per word operation) equal the default "shift" lowering for every packing; an
+    unknown lowering is an error naming it."""
     g = _gen(3)
     for pack, kern in G.W4A8_KERNELS.items():
         xq = torch.randint(-127, 128, (2, 64), generator=g, dtype=torch.int8)
         q = torch.randint(-8, 8, (16, 64), generator=g, dtype=torch.int8)
         outs = []
-        for how in ("shift", "bfe"):
+        for how in ("shift", "bfe", "swar"):
             out = poisoned((2, 16), torch.bfloat16)
             kern(xq, torch.ones(2), pack_int4(q, pack), torch.ones(16), out,
                  config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "INT4_UNPACK": how})
             outs.append(out)
-        assert torch.equal(outs[0], outs[1])
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+        assert "0x78787878" in kern.source({"INT4_UNPACK": "swar"}, "gfx942")
         assert "tl.join" in kern.source({"INT4_UNPACK": "bfe"}, "gfx942")
     with pytest.raises(kd.ConfigError, match="INT4_UNPACK"):
         G.gemm_w4a8_kernel.source({"INT4_UNPACK": "lut"}, "gfx942")
