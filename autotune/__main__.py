@@ -132,7 +132,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
     try:
         path, doc = tune(k, a.arch, problem, ms, mode=a.mode, budget_s=a.budget_s, seed=a.seed, out=out,
                          max_candidates=a.max_candidates, workers=a.workers, progress=not a.quiet,
-                         cu_count=a.cu_count)
+                         cu_count=a.cu_count, keep_numerics=a.keep_numerics)
     except (ValueError, RuntimeError, OSError) as e:
         _fail(f"autotune: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     print(f"wrote {path}")
@@ -188,9 +188,9 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
 
     from kdsl.targets import get_target
 
-    from .problems import full_dims
+    from .problems import full_dims, model_for
     from .buckets import bucket_m
-    from .search import _run_job, compile_m
+    from .search import _numerics, _run_job, compile_m, file_numerics
     from .costmodel import VERSION
     from .store import ConfigFileError, helpers_hash, iter_files, kernel_source_hash, load_file
 
@@ -222,6 +222,14 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
             log(f"STALE {path}: ranked by {doc['provenance'].get('cost_model')!r}, the cost model is now {VERSION!r} "
                 f"(re-tune)")
             stale += 1
+        if model_for(k).shared_numerics:  # a batch-invariant launch runs the M=1 lookup's numerics at any M
+            ref = file_numerics(k, doc)
+            other = [e["bucket"] for e in doc["entries"] if _numerics(e["config"], k) != ref]
+            if other:
+                log(f"FAIL {path}: buckets {other} hold another numerics tile than the one every launch runs "
+                    f"({dict(ref)}): their figures describe a tile that never runs (re-tune them with "
+                    f"`python -m autotune tune {k.name} --m {','.join(map(str, other))} --keep-numerics ...`)")
+                bad += 1
         entries = doc["entries"] if sample is None else doc["entries"][:sample]
         for e in entries:
             t = get_target(doc["arch"])
@@ -284,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="tune for a device of the arch with this many CUs (e.g. 80 for an MI308X)")
     t.add_argument("--module", action="append", help="extra kernel module or .py file to load")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--keep-numerics", action="store_true",
+                   help="batch-invariant kernels: keep the existing file's numerics tile (the one its launches run "
+                        "at every M) and tune only the launch keys of these buckets")
     t.set_defaults(func=cmd_tune)
     s = sub.add_parser("show", help="print a tuned file as a table")
     s.add_argument("file")

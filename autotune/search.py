@@ -186,9 +186,14 @@ def _reference_numerics(kernel: Any, target: Target, prob: dict[str, Any], pm: A
         warnings.warn(f"{kernel.name}: no tuned file for the reference problem {ref} ({path}); tune it first, "
                       "its M=1 numerics keys are what this problem's launches run with", stacklevel=3)
         return None
-    entries = load_file(path).get("entries", [])
-    first = next((e for e in entries if str(e.get("bucket")) == "1"), entries[0] if entries else None)
-    return _numerics(first["config"], kernel) if first else None
+    return file_numerics(kernel, load_file(path))
+
+
+def file_numerics(kernel: Any, doc: dict[str, Any]) -> tuple | None:
+    """The numerics keys a batch-invariant launch of this file runs with at any M: those of the
+    entry a lookup at M=1 selects (bucket 1, else the smallest; ops._common.invariant_config)."""
+    entries = sorted(doc.get("entries", []), key=lambda e: bucket_order(parse_bucket(e["bucket"])))
+    return _numerics(entries[0]["config"], kernel) if entries else None
 
 
 def target_identity(target: Target, measured: bool) -> dict[str, Any]:
@@ -444,10 +449,15 @@ def parse_ms(items: list[Any]) -> list[int | str]:
 def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any], mode: str = "static",
          budget_s: float | None = None, seed: int = 0, out: str | None = None,
          max_candidates: int | None = DEFAULT_MAX_CANDIDATES, workers: int | None = None,
-         progress: bool = True, write: bool = True, cu_count: int | None = None) -> tuple[str, dict[str, Any]]:
+         progress: bool = True, write: bool = True, cu_count: int | None = None,
+         keep_numerics: bool = False, numerics: tuple | None = None) -> tuple[str, dict[str, Any]]:
     """Tune `kernel` at `problem` for the buckets of `ms`; returns (path, document). `cu_count`: tune
     for a device of the arch with that many CUs (the file goes to <arch>/cu<N>/ unless it is the
-    arch's reference count)."""
+    arch's reference count). `keep_numerics` (shared-numerics kernels): the existing file's numerics
+    tile (the one its launches run at every M) is kept, only launch keys are tuned, so re-tuning some
+    buckets of a file cannot leave entries of another tile in it; `numerics` forces a given tile. A
+    batch-invariant file written over one whose other buckets hold another tile re-tunes those
+    buckets under the new tile (their launches run it)."""
     if mode not in ("static", "measured"):
         raise ValueError(f"mode must be 'static' or 'measured', got {mode!r}")
     target = get_target(arch)
@@ -496,6 +506,14 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
             if spaces[b].admits(c) and c not in spaces[b].candidates:
                 spaces[b].candidates.insert(1, c)
     forced = _reference_numerics(kernel, target, prob, pm, out) if pm.shared_numerics else None
+    if keep_numerics:
+        if not pm.shared_numerics:
+            raise ValueError(f"keep_numerics: {kernel.name} picks its tile per bucket (no shared numerics tile to keep)")
+        if not os.path.exists(prior_path):
+            raise ValueError(f"keep_numerics: no tuned file {prior_path} whose numerics tile to keep")
+        forced = forced or file_numerics(kernel, load_file(prior_path))
+    if numerics is not None:
+        forced = numerics
     if forced is not None:  # every candidate takes the reference tile; only launch keys vary
         for b in buckets:
             spaces[b].candidates[:] = with_numerics(spaces[b].candidates, forced, kernel)
@@ -611,13 +629,18 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     if write:
         if not entries:
             raise RuntimeError(f"no candidate of {kernel.name} compiled cleanly for {target.name}; nothing written")
-        if os.path.exists(path):
-            try:
-                old = load_file(path)
-                if old["provenance"].get("kernel_source_hash") == doc["provenance"]["kernel_source_hash"]:
-                    have = {parse_bucket(e["bucket"]) for e in entries}
-                    doc["entries"] = entries + [e for e in old["entries"] if parse_bucket(e["bucket"]) not in have]
-            except Exception:  # noqa: BLE001 - a bad old file is simply replaced
-                pass
+        try:
+            old = load_file(path) if os.path.exists(path) else None
+        except Exception:  # noqa: BLE001 - a bad old file is simply replaced
+            old = None
+        if old is not None and old["provenance"].get("kernel_source_hash") == doc["provenance"]["kernel_source_hash"]:
+            have = {parse_bucket(e["bucket"]) for e in entries}
+            rest = [e for e in old["entries"] if parse_bucket(e["bucket"]) not in have]
+            other = [parse_bucket(e["bucket"]) for e in rest if shared is not None and _numerics(e["config"], kernel) != shared]
+            if other:  # kept buckets of another tile: their launches run the new one, tune them for it
+                _, sub = tune(kernel, arch, problem, other, mode, budget_s, seed, out, max_candidates, workers, progress,
+                              write=False, cu_count=cu_count, numerics=shared)
+                rest = [e for e in rest if parse_bucket(e["bucket"]) not in other] + sub["entries"]
+            doc["entries"] = entries + rest
         save_file(doc, path)
     return path, doc

@@ -639,14 +639,88 @@ def test_tune_tries_every_lowering_of_each_buckets_best(tmp_path, monkeypatch):
 
     assert "INT4_UNPACK" in model_for(S1).launch_keys and not model_for(S1).shared_numerics
 
-    def fake_compile(kernel, target, jobs, reports, workers, deadline, progress):
-        for k in jobs:
-            reports.setdefault(k, {"ok": True})
-        return False
-
-    monkeypatch.setattr(search, "_compile", fake_compile)
+    monkeypatch.setattr(search, "_compile", _compile_nothing)
     monkeypatch.setattr(search, "score", lambda kernel, target, p, m, c, rep:
                         {"predicted_us": 1.0 if c["INT4_UNPACK"] == "swar" else 2.0})
     _, doc = search.tune(S1, "gfx942", {"E": 384, "K": 7168, "I": 256, "TOPK": 8}, [1, 8], max_candidates=1,
                          out=str(tmp_path), write=False, progress=False)
     assert [e["config"]["INT4_UNPACK"] for e in doc["entries"]] == ["swar", "swar"]
+
+
+def _compile_nothing(kernel, target, jobs, reports, workers, deadline, progress):
+    """search._compile for tests that fake the scores: every job 'compiles'."""
+    for k in jobs:
+        reports.setdefault(k, {"ok": True})
+    return False
+
+
+def _bf16_doc(tiles):
+    from ops.gemm import gemm_bf16_kernel as G
+
+    base = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "waves_per_eu": 0, "kpack": 1,
+            "matrix_instr_nonkdim": 0}
+    doc = _doc([(b, {**base, "BLOCK_K": bk}) for b, bk in tiles], kernel="gemm_bf16", problem={"N": 256, "K": 512})
+    doc["provenance"].update(kernel_source_hash=store.kernel_source_hash(G), helpers_hash=store.helpers_hash(G),
+                             cost_model=costmodel.VERSION)
+    return G, doc
+
+
+def test_check_fails_a_batch_invariant_file_with_entries_of_another_tile(tmp_path):
+    """gemm_bf16's launches take every numerics key from the M=1 lookup at any M: an entry of
+    another tile (a partial re-tune merged into the file) describes a launch that never runs."""
+    from autotune.__main__ import check_files
+
+    for tiles, bad_want in (([(1, 64), (256, 64)], 0), ([(1, 64), (256, 128)], 1)):
+        G, doc = _bf16_doc(tiles)
+        _write(str(tmp_path), doc, store.file_name(G, doc["problem"]))
+        problems: list[str] = []
+        _, bad, _ = check_files(str(tmp_path), compile=False, log=problems.append)
+        assert bad == bad_want, problems
+        assert not bad or ("[256]" in problems[0] and "--keep-numerics" in problems[0]), problems
+
+
+def test_keep_numerics_tunes_launch_keys_of_the_files_tile(tmp_path, monkeypatch):
+    """`tune --keep-numerics` re-tunes some buckets of a batch-invariant file under the tile its
+    launches run (its M=1 entry's), however much faster another tile would score there."""
+    from autotune import search
+    from ops.gemm import gemm_bf16_kernel as G
+
+    _, doc = _bf16_doc([(1, 64)])
+    path = _write(str(tmp_path), doc, store.file_name(G, doc["problem"]))
+
+    monkeypatch.setattr(search, "_compile", _compile_nothing)
+    monkeypatch.setattr(search, "score", lambda kernel, target, p, m, c, rep:
+                        {"predicted_us": 1.0 if c.get("BLOCK_K") == 128 else 2.0 + c.get("num_warps", 4) / 100})
+    kw = dict(max_candidates=4, out=str(tmp_path), write=False, progress=False)
+    _, free = search.tune(G, "gfx942", doc["problem"], [256], **kw)
+    assert free["entries"][0]["config"]["BLOCK_K"] == 128          # on its own the bucket takes another tile
+    _, kept = search.tune(G, "gfx942", doc["problem"], [256], keep_numerics=True, **kw)
+    e = kept["entries"][0]["config"]
+    assert search._numerics(e, G) == search._numerics(doc["entries"][0]["config"], G)
+    from autotune.space import option_domains
+    assert e["num_warps"] == min(option_domains(get_target("gfx942"))["num_warps"])  # launch keys still tuned
+    with pytest.raises(ValueError, match="per bucket"):
+        search.tune(K, "gfx942", PROB, [1], keep_numerics=True, **kw)
+    with pytest.raises(ValueError, match="no tuned file"):
+        search.tune(G, "gfx942", {"N": 512, "K": 512}, [1], keep_numerics=True, **kw)
+
+
+def test_rewriting_some_buckets_retunes_the_others_under_the_new_tile(tmp_path, monkeypatch):
+    """Re-tuning buckets 1..N of a batch-invariant file whose other buckets (256) hold the old tile:
+    the new joint tile is what every launch runs, so the kept bucket is re-tuned under it instead of
+    being merged back with a tile that never runs (what `autotune check` now fails)."""
+    from autotune import search
+    from autotune.__main__ import check_files
+
+    G, doc = _bf16_doc([(1, 64), (256, 64)])
+    path = _write(str(tmp_path), doc, store.file_name(G, doc["problem"]))
+
+    monkeypatch.setattr(search, "_compile", _compile_nothing)
+    monkeypatch.setattr(search, "score", lambda kernel, target, p, m, c, rep:
+                        {"predicted_us": 1.0 if c.get("BLOCK_K") == 128 else 2.0})
+    search.tune(G, "gfx942", doc["problem"], [1], max_candidates=4, out=str(tmp_path), progress=False)
+    new = store.load_file(path)
+    assert [e["bucket"] for e in new["entries"]] == [1, 256]
+    assert {e["config"]["BLOCK_K"] for e in new["entries"]} == {128}
+    problems: list[str] = []
+    assert check_files(str(tmp_path), compile=False, log=problems.append)[1] == 0, problems
