@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -179,6 +180,11 @@ def cmd_show(a: argparse.Namespace) -> int:
     return 0
 
 
+# `check` re-scores each entry from its compiled report: a figure this far (relative) from the
+# recorded one marks the file stale (the model is deterministic; the slack absorbs float rounding)
+RESCORE_TOLERANCE = 0.02
+
+
 def check_files(root: str | None, compile: bool = True, sample: int | None = None, extra: list[str] | None = None,
                 log=print, workers: int | None = None) -> tuple[int, int, int]:
     """(files, problems, stale) over `root`; problems are logged as they are found. Compiles each
@@ -190,14 +196,14 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
 
     from .problems import full_dims, model_for
     from .buckets import bucket_m
-    from .search import _numerics, _run_job, compile_m, file_numerics
+    from .search import _numerics, _run_job, compile_m, file_numerics, score
     from .costmodel import VERSION
     from .store import ConfigFileError, helpers_hash, iter_files, kernel_source_hash, load_file
 
     reg = _kernels(extra)
     files = iter_files(root)
     bad = stale = 0
-    jobs: dict[tuple, list[str]] = {}
+    jobs: dict[tuple, list[tuple]] = {}
     for path in files:
         try:
             doc = load_file(path, known_kernels=reg)
@@ -235,7 +241,11 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
             t = get_target(doc["arch"])
             dims = full_dims(k, doc["problem"], compile_m(k, doc["problem"], bucket_m(e["bucket"]), t), e["config"], t)
             key = (k.name, doc["arch"], json.dumps(dims, sort_keys=True), json.dumps(e["config"], sort_keys=True))
-            jobs.setdefault(key, []).append(f"{path}: bucket {e['bucket']}")
+            scored = {**doc["problem"], **doc["provenance"].get("model_dims", {})}
+            static = doc["provenance"].get("mode", "static") == "static" and "predicted_us" in e["figures"]
+            jobs.setdefault(key, []).append((f"{path}: bucket {e['bucket']}", scored, bucket_m(e["bucket"]),
+                                             e["figures"]["predicted_us"] if static else None,
+                                             doc["target"].get("cu_count")))
     if not compile or not jobs:
         return len(files), bad, stale
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
@@ -245,10 +255,24 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
         for f in cf.as_completed(futs):
             r = f.result()
             if not r.get("ok") or r.get("spills"):
-                for where in jobs[futs[f]]:
+                for where, *_ in jobs[futs[f]]:
                     log(f"FAIL {where}: ok={r.get('ok')} spills={r.get('spills')} "
                         f"LDS={r.get('lds_bytes')}/{r.get('lds_limit')} " + "; ".join(r.get("errors", [])))
                     bad += 1
+                continue
+            # the recorded figure, re-scored from today's code: a kdsl lowering change (same kernel and
+            # helpers, other generated code) or a cost model change moves it
+            kn, arch, _, cfg = futs[f]
+            for where, scored, m, recorded, cu in jobs[futs[f]]:
+                if recorded is None:
+                    continue
+                t = get_target(arch)
+                t = dataclasses.replace(t, cu_count=cu) if cu and cu != t.cu_count else t  # a cu<N>/ file
+                now = score(reg[kn], t, scored, m, json.loads(cfg), r)["predicted_us"]
+                if abs(now - recorded) > RESCORE_TOLERANCE * recorded + 0.01:
+                    log(f"STALE {where}: recorded {recorded:.2f} us, today's generated code scores {now:.2f} us "
+                        f"(a kdsl lowering or cost model change since tuning; re-tune)")
+                    stale += 1
     log(f"compiled {len(jobs)} distinct configs")
     return len(files), bad, stale
 
@@ -300,12 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("file")
     s.add_argument("--json", action="store_true", help="print the validated JSON instead")
     s.set_defaults(func=cmd_show)
-    c = sub.add_parser("check", help="every file parses, its kernel exists, its configs compile and fit, and its "
-                                     "kernel source hash is current (stale ones are flagged)")
+    c = sub.add_parser("check", help="every file parses, its kernel exists, a batch-invariant file holds one numerics "
+                                     "tile, its configs compile and fit; stale files are flagged: a kernel or helper "
+                                     "changed, an older cost model, or a figure today's generated code no longer gives")
     c.add_argument("dir", nargs="?", default=None, help="folder (default: autotune/configs)")
     c.add_argument("--no-compile", action="store_true", help="only parse and hash (fast)")
     c.add_argument("--workers", type=int, default=None, help="parallel compiles (default: all cores)")
-    c.add_argument("--strict-hash", action="store_true", help="a stale kernel hash fails the check")
+    c.add_argument("--strict-hash", action="store_true", help="a stale file fails the check")
     c.add_argument("--module", action="append", help="extra kernel module or .py file to load")
     c.set_defaults(func=cmd_check)
     _add_tune_model(sub)

@@ -344,12 +344,20 @@ def test_check_committed_configs_compile_sample():
     import shutil
 
     with tempfile.TemporaryDirectory() as d:
+        copies = []
         for p in files[:: max(1, len(files) // 3)][:3]:
             dst = os.path.join(d, os.path.basename(os.path.dirname(p)))
             os.makedirs(dst, exist_ok=True)
-            shutil.copy(p, dst)
-        n, bad, _ = check_files(d, compile=True, sample=2, log=problems.append)
+            copies.append(shutil.copy(p, dst))
+        # one recorded figure that today's code does not give (as after a kdsl lowering change)
+        doc = store.load_file(copies[0])
+        doc["entries"][0]["figures"]["predicted_us"] *= 1.5
+        with open(copies[0], "w") as f:
+            json.dump(doc, f)
+        n, bad, stale = check_files(d, compile=True, sample=2, log=problems.append)
     assert bad == 0, problems
+    moved = [p for p in problems if "today's generated code scores" in p]
+    assert len(moved) == 1 and f"bucket {doc['entries'][0]['bucket']}" in moved[0], problems  # the rest re-score
 
 
 def test_cli_help_and_show(tmp_path, capsys):
