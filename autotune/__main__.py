@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from typing import Any
 
 from .buckets import ANY
@@ -196,7 +197,7 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
 
     from .problems import full_dims, model_for
     from .buckets import bucket_m
-    from .search import _numerics, _run_job, compile_m, file_numerics, score
+    from .search import _numerics, _reference_numerics, _run_job, compile_m, file_numerics, score, strip_m
     from .costmodel import VERSION
     from .store import ConfigFileError, helpers_hash, iter_files, kernel_source_hash, load_file
 
@@ -228,8 +229,13 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
             log(f"STALE {path}: ranked by {doc['provenance'].get('cost_model')!r}, the cost model is now {VERSION!r} "
                 f"(re-tune)")
             stale += 1
-        if model_for(k).shared_numerics:  # a batch-invariant launch runs the M=1 lookup's numerics at any M
-            ref = file_numerics(k, doc)
+        pm = model_for(k)
+        if pm.shared_numerics:  # a batch-invariant launch runs the M=1 lookup's numerics at any M (that of
+            # its reference problem's file where it has one: a verify takes the decode's)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # no reference file: the file's own tile
+                ref = _reference_numerics(k, get_target(doc["arch"]), strip_m(k, doc["problem"]), pm, root)
+            ref = ref or file_numerics(k, doc)
             other = [e["bucket"] for e in doc["entries"] if _numerics(e["config"], k) != ref]
             if other:
                 log(f"FAIL {path}: buckets {other} hold another numerics tile than the one every launch runs "

@@ -732,3 +732,25 @@ def test_rewriting_some_buckets_retunes_the_others_under_the_new_tile(tmp_path, 
     assert {e["config"]["BLOCK_K"] for e in new["entries"]} == {128}
     problems: list[str] = []
     assert check_files(str(tmp_path), compile=False, log=problems.append)[1] == 0, problems
+
+
+def test_check_fails_a_verify_file_whose_tile_is_not_the_decode_files(tmp_path):
+    """A q_len-4 MLA split launch takes its numerics keys from the q_len-1 file's M=1 entry: a
+    verify file tuned against another decode tile (consistent in itself) describes launches that
+    never run."""
+    from autotune.__main__ import check_files
+    from ops.mla import mla_decode_split as D
+
+    src = {q: store.file_path(D, "gfx950", {"QL": q, "H": 64, "DL": 512, "DR": 64, "PS": 64}) for q in (1, 4)}
+    os.makedirs(tmp_path / "gfx950")
+    for p in src.values():
+        (tmp_path / "gfx950" / os.path.basename(p)).write_text(open(p).read())
+    problems: list[str] = []
+    assert check_files(str(tmp_path), compile=False, log=problems.append)[1] == 0, problems
+    doc = store.load_file(src[1])
+    for e in doc["entries"]:
+        e["config"]["BLOCK_N"] = 64 if e["config"]["BLOCK_N"] != 64 else 32  # another decode tile
+    (tmp_path / "gfx950" / os.path.basename(src[1])).write_text(json.dumps(doc))
+    problems = []
+    assert check_files(str(tmp_path), compile=False, log=problems.append)[1] == 1, problems
+    assert "QL4" in problems[0] and "another numerics tile" in problems[0], problems
