@@ -374,76 +374,31 @@ def test_dot_bf16_vs_float64():
 # ---------------------------------------------------------------------------------------------
 # packed int4 loads in the three packings
 
+def _int4_tile(w, out):
+    """out = the int4 tile of w, unpacked by the lowering the UNPACK tunable names ("index": w[n, k])."""
+    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
+    how = kd.tunable("UNPACK", ("index", "shift", "bfe", "sbfe", "swar"), "index")
+    out[n, k] = w[n, k] if how == "index" else w.load(n, k, unpack=how)
+
+
 @kd.kernel
 def i_int4_qo(w: kd.In["N", "K", kd.int4("quark_order")], out: kd.Out["N", "K", kd.i8]):
-    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
-    out[n, k] = w[n, k]
+    _int4_tile(w, out)
 
 
 @kd.kernel
 def i_int4_qr(w: kd.In["N", "K", kd.int4("quark_reorder")], out: kd.Out["N", "K", kd.i8]):
-    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
-    out[n, k] = w[n, k]
+    _int4_tile(w, out)
 
 
 @kd.kernel
 def i_int4_ct(w: kd.In["N", "K", kd.int4("ct")], out: kd.Out["N", "K", kd.i8]):
-    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
-    out[n, k] = w[n, k]
+    _int4_tile(w, out)
 
 
 @kd.kernel
-def i_int4_qo_bfe(w: kd.In["N", "K", kd.int4("quark_order")], out: kd.Out["N", "K", kd.i8]):
-    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
-    out[n, k] = w.load(n, k, unpack="bfe")
-
-
-@kd.kernel
-def i_int4_qr_bfe(w: kd.In["N", "K", kd.int4("quark_reorder")], out: kd.Out["N", "K", kd.i8]):
-    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
-    out[n, k] = w.load(n, k, unpack="bfe")
-
-
-@kd.kernel
-def i_int4_ct_bfe(w: kd.In["N", "K", kd.int4("ct")], out: kd.Out["N", "K", kd.i8]):
-    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
-    out[n, k] = w.load(n, k, unpack="bfe")
-
-
-@kd.kernel
-def i_int4_ct_sbfe(w: kd.In["N", "K", kd.int4("ct")], out: kd.Out["N", "K", kd.i8]):
-    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
-    out[n, k] = w.load(n, k, unpack="sbfe")
-
-
-@kd.kernel
-def i_int4_qr_sbfe(w: kd.In["N", "K", kd.int4("quark_reorder")], out: kd.Out["N", "K", kd.i8]):
-    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
-    out[n, k] = w.load(n, k, unpack="sbfe")
-
-
-@kd.kernel
-def i_int4_qo_swar(w: kd.In["N", "K", kd.int4("quark_order")], out: kd.Out["N", "K", kd.i8]):
-    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
-    out[n, k] = w.load(n, k, unpack="swar")
-
-
-@kd.kernel
-def i_int4_qr_swar(w: kd.In["N", "K", kd.int4("quark_reorder")], out: kd.Out["N", "K", kd.i8]):
-    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
-    out[n, k] = w.load(n, k, unpack="swar")
-
-
-@kd.kernel
-def i_int4_ct_swar(w: kd.In["N", "K", kd.int4("ct")], out: kd.Out["N", "K", kd.i8]):
-    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
-    out[n, k] = w.load(n, k, unpack="swar")
-
-
-@kd.kernel
-def i_int4_ctr_swar(w: kd.In["N", "K", kd.int4("ct_reorder")], out: kd.Out["N", "K", kd.i8]):
-    n, k = kd.grid(kd.tile("N", domain=(4, 16), default=4), kd.tile("K", domain=(16, 32), default=16))
-    out[n, k] = w.load(n, k, unpack="swar")
+def i_int4_ctr(w: kd.In["N", "K", kd.int4("ct_reorder")], out: kd.Out["N", "K", kd.i8]):
+    _int4_tile(w, out)
 
 
 @kd.kernel
@@ -465,19 +420,16 @@ def pack_ref(q: torch.Tensor, pack: str) -> torch.Tensor:
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
 
 
+@pytest.mark.parametrize("how", ["index", "shift", "bfe", "sbfe", "swar"])
 @pytest.mark.parametrize("kern,pack", [(i_int4_qo, "quark_order"), (i_int4_qr, "quark_reorder"), (i_int4_ct, "ct"),
-                                       (i_int4_qo_bfe, "quark_order"), (i_int4_qr_bfe, "quark_reorder"),
-                                       (i_int4_ct_bfe, "ct"), (i_int4_ct_sbfe, "ct"),
-                                       (i_int4_qr_sbfe, "quark_reorder"),
-                                       (i_int4_qo_swar, "quark_order"), (i_int4_qr_swar, "quark_reorder"),
-                                       (i_int4_ct_swar, "ct"), (i_int4_ctr_swar, "ct_reorder")])
-def test_int4_unpack(kern, pack):
+                                       (i_int4_ctr, "ct_reorder")])
+def test_int4_unpack(kern, pack, how):
     g = gen(12)
     N, K = 7, 40                                   # K tail: 40 = 2.5 tiles of 16
     q = torch.randint(-8, 8, (N, K), generator=g, dtype=torch.int8)
     q[0, :8] = torch.tensor([-8, 7, -1, 0, 1, -7, 6, -2], dtype=torch.int8)
     out = poisoned((N, K), torch.int8)
-    kern(pack_ref(q, pack), out)
+    kern(pack_ref(q, pack), out, config={"UNPACK": how})
     assert torch.equal(out, q)
 
 
