@@ -278,6 +278,33 @@ def _prior_configs(kernel: Any, target: Target, static: dict[str, Any], path: st
     return out
 
 
+def _in_option_domains(cfg: dict[str, Any], space: Any, options: set[str]) -> dict[str, Any]:
+    """`cfg` with each launch option outside the space's domain set to the domain's first value. A
+    recorded config holds the options its specialization applied (`kd.compile_option`: the MLA
+    split's PV_T sets matrix_instr_nonkdim 16 where the domain holds only the target default), or
+    another arch's; the tile keeps them, the option polish re-tries the rest."""
+    return {k: (space.domains[k][0] if k in options and k in space.domains and v not in space.domains[k] else v)
+            for k, v in cfg.items()}
+
+
+def _other_arch_files(kernel: Any, target: Target, prob: dict[str, Any], out: str | None) -> list[str]:
+    """The files of the same kernel and problem tuned for other arches (under `out` and in the
+    package): their configs join the warm start where they specialize for `target`. A tile another
+    arch's search found is often a good one here (gfx950's 64-head MLA split tile, P.V transposed over
+    32-token steps, is gfx942's best at q_len 1 too; gfx942's 48-config sample never held it)."""
+    name = os.path.basename(file_path(kernel, target.name, prob))
+    roots = [r for r in (out, os.path.dirname(os.path.dirname(file_path(kernel, target.name, prob)))) if r]
+    found: list[str] = []
+    for root in roots:
+        if not os.path.isdir(root):
+            continue
+        for arch in sorted(os.listdir(root)):
+            path = os.path.join(root, arch, name)
+            if arch != target.name and os.path.isfile(path) and path not in found:
+                found.append(path)
+    return found
+
+
 def _compile(kernel: Any, target: Target, jobs: dict[tuple, tuple[dict, dict]], reports: dict[tuple, dict[str, Any]],
              workers: int, deadline: float | None, progress: bool) -> bool:
     """AOT-compile `jobs` ((config key, compile M) -> (config, dims)) in worker processes, in order,
@@ -501,8 +528,12 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     prior_path = os.path.join(out, target.name, os.path.basename(file_path(kernel, target.name, prob))) if out else \
         file_path(kernel, target.name, prob)
     priors = _prior_configs(kernel, target, static, prior_path)
+    for other in _other_arch_files(kernel, target, prob, out):
+        priors += [c for c in _prior_configs(kernel, target, static, other) if c not in priors]
+    options = {o.name for o in target.options}
     for b in buckets:
         for c in priors:
+            c = _in_option_domains(c, spaces[b], options)
             if spaces[b].admits(c) and c not in spaces[b].candidates:
                 spaces[b].candidates.insert(1, c)
     forced = _reference_numerics(kernel, target, prob, pm, out) if pm.shared_numerics else None

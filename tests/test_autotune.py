@@ -656,6 +656,32 @@ def test_tune_tries_every_lowering_of_each_buckets_best(tmp_path, monkeypatch):
     assert [e["config"]["INT4_UNPACK"] for e in doc["entries"]] == ["swar", "swar"]
 
 
+def test_tune_warm_starts_from_the_files_of_other_arches(tmp_path, monkeypatch):
+    """The same kernel and problem tuned for another arch: its configs join the warm start (a tile
+    two keys away from every sampled one, which the one-key neighbor search cannot reach), their
+    launch options mapped into this arch's domains (a recorded option the specialization applied,
+    or another arch's, would otherwise keep the tile out of the space)."""
+    from autotune import search
+    from autotune.space import option_domains
+
+    G, doc = _bf16_doc([(1, 128)])
+    far = {**doc["entries"][0]["config"], "BLOCK_N": 32, "waves_per_eu": 3, "matrix_instr_nonkdim": 16}
+    doc.update(arch="gfx950", entries=[{"bucket": 1, "config": far, "figures": {"predicted_us": 1.0}}])
+    doc["target"]["arch"] = "gfx950"
+    monkeypatch.setattr(search, "_compile", _compile_nothing)
+    monkeypatch.setattr(search, "score", lambda kernel, target, p, m, c, rep:
+                        {"predicted_us": 1.0 if (c["BLOCK_N"], c["BLOCK_K"]) == (32, 128) else 2.0})
+    kw = dict(max_candidates=1, out=str(tmp_path), write=False, progress=False)
+    _, alone = search.tune(G, "gfx942", doc["problem"], [1], **kw)
+    assert (alone["entries"][0]["config"]["BLOCK_N"], alone["entries"][0]["config"]["BLOCK_K"]) != (32, 128)
+    _write(str(tmp_path), doc, store.file_name(G, doc["problem"]))
+    _, seeded = search.tune(G, "gfx942", doc["problem"], [1], **kw)
+    got = seeded["entries"][0]["config"]
+    assert (got["BLOCK_N"], got["BLOCK_K"]) == (32, 128)
+    dom = option_domains(get_target("gfx942"))
+    assert got["waves_per_eu"] in dom["waves_per_eu"] and got["matrix_instr_nonkdim"] in dom["matrix_instr_nonkdim"]
+
+
 def _compile_nothing(kernel, target, jobs, reports, workers, deadline, progress):
     """search._compile for tests that fake the scores: every job 'compiles'."""
     for k in jobs:
