@@ -24,7 +24,8 @@ from .buckets import ANY, bucket_for, bucket_m, bucket_order, parse_bucket
 from .problems import (LAUNCH_ONLY_KEYS, MODEL_DIMS, launch_only_keys, extra_bytes, full_dims, loop_iters, model_for, problem_key, required_dims,
                        shared_bytes, strip_m)
 from .space import build
-from .store import SCHEMA_VERSION, file_path, helpers_hash, kernel_helpers, kernel_source_hash, load_file, save_file
+from .store import (CONFIG_DIR, SCHEMA_VERSION, file_name, file_path, helpers_hash, kernel_helpers, kernel_source_hash,
+                    load_file, save_file)
 
 DEFAULT_MAX_CANDIDATES = 32
 GRACE_S = 15.0  # how long compiles already running may finish after the budget
@@ -292,12 +293,9 @@ def _other_arch_files(kernel: Any, target: Target, prob: dict[str, Any], out: st
     package): their configs join the warm start where they specialize for `target`. A tile another
     arch's search found is often a good one here (gfx950's 64-head MLA split tile, P.V transposed over
     32-token steps, is gfx942's best at q_len 1 too; gfx942's 48-config sample never held it)."""
-    name = os.path.basename(file_path(kernel, target.name, prob))
-    roots = [r for r in (out, os.path.dirname(os.path.dirname(file_path(kernel, target.name, prob)))) if r]
+    name = file_name(kernel, prob)
     found: list[str] = []
-    for root in roots:
-        if not os.path.isdir(root):
-            continue
+    for root in (r for r in (out, CONFIG_DIR) if r and os.path.isdir(r)):
         for arch in sorted(os.listdir(root)):
             path = os.path.join(root, arch, name)
             if arch != target.name and os.path.isfile(path) and path not in found:
