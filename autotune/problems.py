@@ -79,6 +79,9 @@ class ProblemModel:
     # tunables of this kernel that change no bit either (LAUNCH_ONLY_KEYS are the common ones), e.g.
     # the chunk of a norm whose every program reduces the whole row
     launch_keys: tuple[str, ...] = ()
+    # kernels whose programs this one runs with another epilogue (the same tunables and tiles): their
+    # tuned files at this problem (their key dims of it), any arch, join the tuner's warm start
+    tiles_from: tuple[str, ...] = ()
 
 
 # The context length sets the bytes and the split count of decode attention but is no part of the

@@ -288,18 +288,23 @@ def _in_option_domains(cfg: dict[str, Any], space: Any, options: set[str]) -> di
             for k, v in cfg.items()}
 
 
-def _other_arch_files(kernel: Any, target: Target, prob: dict[str, Any], out: str | None) -> list[str]:
-    """The files of the same kernel and problem tuned for other arches (under `out` and in the
-    package): their configs join the warm start where they specialize for `target`. A tile another
-    arch's search found is often a good one here (gfx950's 64-head MLA split tile, P.V transposed over
-    32-token steps, is gfx942's best at q_len 1 too; gfx942's 48-config sample never held it)."""
-    name = file_name(kernel, prob)
+def _warm_start_files(kernel: Any, target: Target, prob: dict[str, Any], out: str | None) -> list[str]:
+    """Tuned files (under `out` and in the package) whose configs join the warm start where they
+    specialize for `target`: the same kernel and problem tuned for other arches, and any arch's files
+    of the kernels it shares its tiles with (`ProblemModel.tiles_from`, at their key dims of `prob`).
+    A tile another search found is often a good one here (gfx950's 64-head MLA split tile, P.V
+    transposed over 32-token steps, is gfx942's best at q_len 1 too; gfx942's 48-config sample never
+    held it; gemm_bf16_swiglu's TP8 tile runs its rank-end variant 10-25% faster from 4 rows on than
+    that variant's own 32-config sample found)."""
+    names = [(file_name(kernel, prob), False)]
+    names += [(file_name(other, prob), True) for other in model_for(kernel).tiles_from]
     found: list[str] = []
     for root in (r for r in (out, CONFIG_DIR) if r and os.path.isdir(r)):
         for arch in sorted(os.listdir(root)):
-            path = os.path.join(root, arch, name)
-            if arch != target.name and os.path.isfile(path) and path not in found:
-                found.append(path)
+            for name, any_arch in names:
+                path = os.path.join(root, arch, name)
+                if (any_arch or arch != target.name) and os.path.isfile(path) and path not in found:
+                    found.append(path)
     return found
 
 
@@ -526,7 +531,7 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     prior_path = os.path.join(out, target.name, os.path.basename(file_path(kernel, target.name, prob))) if out else \
         file_path(kernel, target.name, prob)
     priors = _prior_configs(kernel, target, static, prior_path)
-    for other in _other_arch_files(kernel, target, prob, out):
+    for other in _warm_start_files(kernel, target, prob, out):
         priors += [c for c in _prior_configs(kernel, target, static, other) if c not in priors]
     options = {o.name for o in target.options}
     for b in buckets:

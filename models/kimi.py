@@ -242,7 +242,8 @@ class _MoE:
         rows [1, T, hidden] in place of the normed rows; the next attention applies `nxt`. With the
         split-K shared expert (and the owner's `combine_in_shared`, default) that combine_add runs in
         the shared down GEMM's epilogue (ops.swiglu.gemm_bf16_swiglu_combine): the layer ends in one
-        launch, not two, with the same bits."""
+        launch, not two, with the same bits; at world size > 1 so does combine_rank
+        (ops.swiglu.gemm_bf16_swiglu_rank)."""
         from ops.moe import MoEWeights, combine_add, combine_norm, combine_rank, expert_block_m, fused_experts
 
         if self.backend != "triton" or not isinstance(self.experts, MoEWeights) or h.dtype != torch.bfloat16 \
@@ -270,6 +271,10 @@ class _MoE:
             # the shared expert's down GEMM ends the layer: combine_add in its epilogue, one launch
             rows = self.shared.down_combine_of_partials(shared_part, part, ids, h, len(self.local))
             return rows.unsqueeze(0), h
+        if self.comm.world > 1 and shared_part is not None and getattr(self.owner, "combine_in_shared", True):
+            # the rank's share (combine_rank) in the shared down GEMM's epilogue, one launch
+            mine = self.shared.down_rank_of_partials(shared_part, part, ids, len(self.local))
+            return nxt.add_norm(self.comm.all_reduce(mine), h)
         if shared_part is not None:
             s = self.shared.down_of_partials(shared_part)
         else:
@@ -523,8 +528,9 @@ class KimiModel:
         # triton, world size 1: a MoE layer ends without the next input norm when the next attention
         # norms its rows in its first GEMM's prologue (_MLA.takes_raw_rows); False: every layer ends normed
         self.norm_in_gemm = True
-        # ... and such a layer's end (combine_add) runs in the epilogue of its shared expert's down GEMM
-        # (ops.swiglu.gemm_bf16_swiglu_combine: one launch fewer, the same bits); False: combine_add
+        # ... and such a layer's end (combine_add; at world size > 1 combine_rank) runs in the epilogue of
+        # its shared expert's down GEMM (ops.swiglu.gemm_bf16_swiglu_combine / gemm_bf16_swiglu_rank: one
+        # launch fewer, the same bits); False: the separate combine launch
         self.combine_in_shared = True
         # ... and o_proj's GEMM runs the residual-add norm after it in its last programs
         # (ops.splitk_norm, one launch fewer): "auto" where the tuned files say it pays at every decode

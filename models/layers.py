@@ -269,6 +269,15 @@ class MLP:
 
         return gemm_bf16_swiglu_combine(part, self.down.dense, partial, ids, res, n_experts, backend="triton")
 
+    def down_rank_of_partials(self, part: torch.Tensor, partial: torch.Tensor, ids: torch.Tensor,
+                              n_experts: int) -> torch.Tensor:
+        """A MoE layer's shared expert and a rank's share of the layer in one launch
+        (ops.swiglu.gemm_bf16_swiglu_rank): `down_of_partials(part)` + the routed partial rows summed
+        in k order, bf16: the all-reduce payload."""
+        from ops.swiglu import gemm_bf16_swiglu_rank
+
+        return gemm_bf16_swiglu_rank(part, self.down.dense, partial, ids, n_experts, backend="triton")
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gu_w = self.gate_up.dense if self.gate_up is not None and self.backend == "triton" else None
         if gu_w is not None and gu_w.dtype == torch.bfloat16 and x.shape[-1] == gu_w.shape[1]:

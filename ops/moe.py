@@ -1377,19 +1377,26 @@ def moe_combine_rank_ref(partial: torch.Tensor, ids: torch.Tensor, shared: torch
     return acc.to(torch.bfloat16)
 
 
+def _check_partials(op: str, partial: torch.Tensor, ids: torch.Tensor, backend: str) -> tuple[int, int]:
+    """A rank's combine inputs: routed partials [M*top_k, H] f32 and ids [M, top_k] int32 (contiguous,
+    one device). Returns (M, H)."""
+    check_backend(op, backend)
+    check_tensor(op, "ids", ids, 2, (torch.int32,), None, contiguous=True)
+    M, K = ids.shape
+    check_tensor(op, "partial", partial, 2, (torch.float32,), ids.device, contiguous=True)
+    if partial.shape[0] != M * K:
+        raise ValueError(f"{op}: partial must be [M*top_k={M * K}, H], got {tuple(partial.shape)}")
+    return M, partial.shape[1]
+
+
 def combine_rank(partial: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None, n_experts: int,
                  backend: str = "triton", config: dict | None = None) -> torch.Tensor:
     """One rank's MoE output before the all-reduce, in one launch: routed partials [M*top_k, H] f32
     (`fused_experts(..., partials=True)`) summed in k order + shared [M, H] bf16 (or None), as bf16
     [M, H]. Ids outside [0, n_experts) (another rank's expert: -1) add nothing. No device read."""
-    check_backend("combine_rank", backend)
-    check_tensor("combine_rank", "ids", ids, 2, (torch.int32,), None, contiguous=True)
-    M, K = ids.shape
+    M, H = _check_partials("combine_rank", partial, ids, backend)
+    K = ids.shape[1]
     dev = ids.device
-    check_tensor("combine_rank", "partial", partial, 2, (torch.float32,), dev, contiguous=True)
-    H = partial.shape[1]
-    if partial.shape[0] != M * K:
-        raise ValueError(f"combine_rank: partial must be [M*top_k={M * K}, H], got {tuple(partial.shape)}")
     if shared is not None:
         check_tensor("combine_rank", "shared", shared, 2, (torch.bfloat16,), dev, contiguous=True)
         if tuple(shared.shape) != (M, H):

@@ -252,15 +252,17 @@ MODELS: list[ProblemModel] = [
                  # a row sits at its own place (row mod 16) of one aligned 16-row dot at any BLOCK_M; a
                  # program's N_TILES dots are each a BLOCK_N dot of the same A tile
                  shared_numerics=True, launch_keys=("BLOCK_M", "N_TILES")),
-    # gemm_bf16_swiglu with ops.moe.moe_combine_add in its epilogue (the MoE layer's end): its weights
-    # and SwiGLU rows, no bf16 shared output; moe_combine_add's routed rows (f32) and ids in, residual
-    # read and written (bf16), the residual as f32 rows out. Same tiles (and numerics keys) as gemm_bf16_swiglu
-    ProblemModel("gemm_bf16_swiglu_combine", ("N", "I", "S", "TOPK"), peak_dtype="bf16", loop_dim="I",
-                 bytes_fn=lambda p, m: (p["N"] * p["I"] * 2 + m * p["I"] * 2 + routed_rows(p, m) * p["N"] * 4
-                                        + m * (p["N"] * 8 + p["TOPK"] * 4)),
-                 flops_fn=lambda p, m: 2.0 * m * p["N"] * p["I"] + (p["TOPK"] + 2.0) * m * p["N"],
-                 derived=lambda p, m, c: {"N2": 2 * p["I"], **_topk_derived(p, m, c)},
-                 shared_numerics=True, launch_keys=("BLOCK_M", "N_TILES")),
+    # gemm_bf16_swiglu with the MoE layer's end in its epilogue: its weights and SwiGLU rows, no bf16
+    # shared output, the routed rows (f32) and ids in; then ops.moe.moe_combine_add's residual read and
+    # written (bf16) and the residual as f32 rows out (8 bytes a column), or (a rank's end at world
+    # size > 1) moe_combine_rank's bf16 rows out (2). Same tiles (and numerics keys) as gemm_bf16_swiglu
+    *(ProblemModel(name, ("N", "I", "S", "TOPK"), peak_dtype="bf16", loop_dim="I",
+                   bytes_fn=lambda p, m, ob=ob: (p["N"] * p["I"] * 2 + m * p["I"] * 2 + routed_rows(p, m) * p["N"] * 4
+                                                 + m * (p["N"] * ob + p["TOPK"] * 4)),
+                   flops_fn=lambda p, m, adds=adds: 2.0 * m * p["N"] * p["I"] + (p["TOPK"] + adds) * m * p["N"],
+                   derived=lambda p, m, c: {"N2": 2 * p["I"], **_topk_derived(p, m, c)},
+                   shared_numerics=True, launch_keys=("BLOCK_M", "N_TILES"), tiles_from=("gemm_bf16_swiglu",))
+      for name, ob, adds in (("gemm_bf16_swiglu_combine", 8, 2.0), ("gemm_bf16_swiglu_rank", 2, 1.0))),
     # gemm_bf16_splitk with the residual-add norm tail of rmsnorm_add(_quant)_splitk in its last
     # programs (ops.splitk_norm): the GEMM's bytes plus residual, norm weight, res_out (+ q, scale);
     # the partials written and read back once and res_out read back by the row tail are extra; the

@@ -15,6 +15,11 @@ program's columns): the top-k routed partial rows summed in k order (ids outside
 + the shared output rounded to bf16 (what gemm_bf16_swiglu stores), rounded to bf16, added into the
 residual stream in place, and the new residual returned as f32 rows for the next layer's
 `gemm_bf16_rmsnorm`. The bits of gemm_bf16_swiglu + combine_add, one launch fewer.
+
+`gemm_bf16_swiglu_rank` (kernel `gemm_bf16_swiglu_rank`) is its counterpart at world size > 1, where
+a MoE layer ends in a rank's share of the layer output (`ops.moe.combine_rank`'s work: the top-k
+routed partial rows summed in k order + the shared output, rounded to bf16), the all-reduce payload:
+the bits of gemm_bf16_swiglu + combine_rank, one launch fewer per MoE layer.
 """
 from __future__ import annotations
 
@@ -86,12 +91,13 @@ def gemm_bf16_swiglu_kernel(part: kd.In["S", "M", "N2", kd.f32], w: kd.In["N", "
 COMBINE_EXAMPLE = {"S": 4, "M": 1, "N2": 4096, "I": 2048, "N": 7168, "P": 8, "TOPK": 8, "E": 384}
 
 
-def _combine_into(acc, m, mm, small, n, partial, ids, res, rows):
-    """ops.moe.moe_combine_add over the tile (mm, n) with the shared output `acc` (f32, rounded to
-    bf16 first: what gemm_bf16_swiglu stores and combine_add reads): the top-k partial rows in k order
-    (a row whose id is outside [0, E) counts 0 and is never read), + shared, -> bf16, + residual ->
-    bf16, stored in place and as f32 rows. A tile under 16 rows spans the aligned 16 (`_mma_rows`):
-    the rows before m.start belong to other programs, so every load and store of them is masked."""
+def _rank_sum(acc, m, mm, small, n, partial, ids):
+    """ops.moe.moe_combine_rank over the tile (mm, n) with the shared output `acc` (f32, rounded to
+    bf16 first: what gemm_bf16_swiglu stores and the combines read): the top-k partial rows in k order
+    (a row whose id is outside [0, E) counts 0 and is never read) + shared, f32, and the mask of the
+    program's own rows (None for a 16-row tile or more). A tile under 16 rows spans the aligned 16
+    (`_mma_rows`): the rows before m.start belong to other programs, so every load and store of them
+    is masked."""
     K = kd.static("TOPK")
     own = (m.start <= mm) if small else None
     tot = None
@@ -100,7 +106,13 @@ def _combine_into(acc, m, mm, small, n, partial, ids, res, rows):
         ok = (e >= 0) & (e < kd.static("E"))
         v = partial.load(mm * K + j, n, mask=ok if own is None else ok & own)
         tot = v if tot is None else tot + v
-    tot = tot + acc.to(kd.bf16).to(kd.f32)
+    return tot + acc.to(kd.bf16).to(kd.f32), own
+
+
+def _combine_into(acc, m, mm, small, n, partial, ids, res, rows):
+    """ops.moe.moe_combine_add over the tile (mm, n): `_rank_sum` -> bf16, + residual -> bf16, stored
+    in place and as f32 rows."""
+    tot, own = _rank_sum(acc, m, mm, small, n, partial, ids)
     old = res[mm, n] if own is None else res.load(mm, n, mask=own)
     r = (tot.to(kd.bf16).to(kd.f32) + old.to(kd.f32)).to(kd.bf16)
     if own is None:
@@ -127,7 +139,26 @@ def gemm_bf16_swiglu_combine_kernel(part: kd.In["S", "M", "N2", kd.f32], w: kd.I
         _combine_into(acc, m, mm, small, n, partial, ids, res, rows)
 
 
-KERNELS = (gemm_bf16_swiglu_kernel, gemm_bf16_swiglu_combine_kernel)
+@kd.kernel(name="gemm_bf16_swiglu_rank", static=("S", "TOPK", "E"), example=COMBINE_EXAMPLE,
+           checks=[("N2", lambda d: d["N2"] == 2 * d["I"], "part must be [S, M, 2*I] (gate columns then up)"),
+                   ("P", lambda d: d["P"] == d["M"] * d["TOPK"], "partial and ids must hold M*TOPK rows")])
+def gemm_bf16_swiglu_rank_kernel(part: kd.In["S", "M", "N2", kd.f32], w: kd.In["N", "I", kd.bf16],
+                                 partial: kd.In["P", "N", kd.f32], ids: kd.In["P", kd.i32],
+                                 out: kd.Out["M", "N", kd.bf16], TOPK: kd.Dim, E: kd.Dim):
+    """gemm_bf16_swiglu's program ending a MoE layer at world size > 1: with y = the tile of
+    bf16(silu(gate) * up) @ w^T rounded to bf16, out = bf16(sum_k partial[m*TOPK + k] (ids in
+    [0, E)) + y), the rank's share before the all-reduce: the adds and rounding of
+    ops.moe.moe_combine_rank, whose launch it saves."""
+    m, mm, small, ns, accs = _swiglu_tiles(part, w)
+    for acc, n in zip(accs, ns):
+        tot, own = _rank_sum(acc, m, mm, small, n, partial, ids)
+        if own is None:
+            out[mm, n] = tot.to(kd.bf16)
+        else:
+            kd.store(out, (mm, n), tot.to(kd.bf16), mask=own)
+
+
+KERNELS = (gemm_bf16_swiglu_kernel, gemm_bf16_swiglu_combine_kernel, gemm_bf16_swiglu_rank_kernel)
 
 
 def swiglu_of_partials_ref(part: torch.Tensor) -> torch.Tensor:
@@ -159,13 +190,32 @@ def gemm_bf16_swiglu(part: torch.Tensor, w: torch.Tensor, backend: str = "triton
     if backend == "torch":
         return gemm_bf16_swiglu_ref(part, w)
     problem = {"N": N, "I": I, "S": S}
-    config = invariant_config(gemm_bf16_swiglu_kernel, problem, M, config) if invariant else \
-        config_for(gemm_bf16_swiglu_kernel, problem, M, config)
+    config = _config(gemm_bf16_swiglu_kernel, problem, M, config, invariant)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=part.device)
     if M:
         gemm_bf16_swiglu_kernel(part, w, out, config=config)
     return out
 
+
+def _config(kernel, problem: dict, M: int, config: dict | None, invariant: bool) -> dict:
+    """The launch's config: with `invariant` the M=1 entry's numerics keys at every M."""
+    return invariant_config(kernel, problem, M, config) if invariant else config_for(kernel, problem, M, config)
+
+
+def _check_shared(name: str, part: torch.Tensor, w: torch.Tensor, M: int, N: int, dev: torch.device
+                  ) -> tuple[int, int]:
+    """The shared expert's operands of a combine variant: part [S >= 1, M, 2I] f32, w [N, I] bf16.
+    Returns (S, I)."""
+    check_tensor(name, "part", part, 3, (torch.float32,), dev)
+    check_tensor(name, "w", w, 2, (torch.bfloat16,), dev)
+    S, MP, N2 = part.shape
+    NW, I = w.shape
+    if N2 != 2 * I or MP != M or NW != N:
+        raise ValueError(f"{name}: needs part [S, M={M}, 2*I] and w [N={N}, I] with I = w.shape[1], got "
+                         f"{tuple(part.shape)} and {tuple(w.shape)}")
+    if S < 1:
+        raise ValueError(f"{name}: part needs at least one split, got {tuple(part.shape)}")
+    return S, I
 
 
 def gemm_bf16_swiglu_combine(part: torch.Tensor, w: torch.Tensor, partial: torch.Tensor, ids: torch.Tensor,
@@ -180,15 +230,7 @@ def gemm_bf16_swiglu_combine(part: torch.Tensor, w: torch.Tensor, partial: torch
 
     name = "gemm_bf16_swiglu_combine"
     M, N = _check_combine(name, partial, ids, None, res, backend)
-    check_tensor(name, "part", part, 3, (torch.float32,), res.device)
-    check_tensor(name, "w", w, 2, (torch.bfloat16,), res.device)
-    S, MP, N2 = part.shape
-    NW, I = w.shape
-    if N2 != 2 * I or MP != M or NW != N:
-        raise ValueError(f"{name}: needs part [S, M={M}, 2*I] and w [N={N}, I] with I = w.shape[1], got "
-                         f"{tuple(part.shape)} and {tuple(w.shape)}")
-    if S < 1:
-        raise ValueError(f"{name}: part needs at least one split, got {tuple(part.shape)}")
+    S, I = _check_shared(name, part, w, M, N, res.device)
     if backend == "torch":
         shared = gemm_bf16_swiglu_ref(part, w)
         r = (moe_combine_rank_ref(partial, ids, shared, n_experts).float() + res.float()).to(torch.bfloat16)
@@ -196,9 +238,32 @@ def gemm_bf16_swiglu_combine(part: torch.Tensor, w: torch.Tensor, partial: torch
         return r.float()
     K = ids.shape[1]
     problem = {"N": N, "I": I, "S": S, "TOPK": K}
-    config = invariant_config(gemm_bf16_swiglu_combine_kernel, problem, M, config) if invariant else \
-        config_for(gemm_bf16_swiglu_combine_kernel, problem, M, config)
+    config = _config(gemm_bf16_swiglu_combine_kernel, problem, M, config, invariant)
     rows = torch.empty(M, N, dtype=torch.float32, device=res.device)
     if M:
         gemm_bf16_swiglu_combine_kernel(part, w, partial, ids.reshape(-1), res, rows, K, n_experts, config=config)
     return rows
+
+
+def gemm_bf16_swiglu_rank(part: torch.Tensor, w: torch.Tensor, partial: torch.Tensor, ids: torch.Tensor,
+                          n_experts: int, backend: str = "triton", config: dict | None = None,
+                          invariant: bool = True) -> torch.Tensor:
+    """`gemm_bf16_swiglu(part, w)` (a MoE layer's shared expert) and `ops.moe.combine_rank(partial,
+    ids, shared, n_experts)` in one launch, with their bits: routed partials [M*top_k, N] f32 summed
+    in k order + the shared output (bf16) -> bf16 [M, N], the rank's all-reduce payload. Ids outside
+    [0, n_experts) add nothing. No device read. Tuned files are keyed by N, I, S and TOPK;
+    `invariant` (default): the M=1 numerics at every M."""
+    from ops.moe import _check_partials, moe_combine_rank_ref
+
+    name = "gemm_bf16_swiglu_rank"
+    M, N = _check_partials(name, partial, ids, backend)
+    S, I = _check_shared(name, part, w, M, N, partial.device)
+    if backend == "torch":
+        return moe_combine_rank_ref(partial, ids, gemm_bf16_swiglu_ref(part, w), n_experts)
+    K = ids.shape[1]
+    problem = {"N": N, "I": I, "S": S, "TOPK": K}
+    config = _config(gemm_bf16_swiglu_rank_kernel, problem, M, config, invariant)
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=partial.device)
+    if M:
+        gemm_bf16_swiglu_rank_kernel(part, w, partial, ids.reshape(-1), out, K, n_experts, config=config)
+    return out

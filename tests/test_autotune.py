@@ -781,3 +781,29 @@ def test_check_fails_a_verify_file_whose_tile_is_not_the_decode_files(tmp_path):
     problems = []
     assert check_files(str(tmp_path), compile=False, log=problems.append)[1] == 1, problems
     assert "QL4" in problems[0] and "another numerics tile" in problems[0], problems
+
+
+def test_tune_warm_starts_from_the_files_of_a_kernel_sharing_its_tiles(tmp_path, monkeypatch):
+    """A kernel that runs another's program with a different epilogue (`ProblemModel.tiles_from`:
+    gemm_bf16_swiglu_rank, gemm_bf16_swiglu's tiles ending in the rank's combine): that kernel's file
+    at the problem's shared key dims, of any arch, joins the warm start (here a tile two keys away
+    from the one-candidate sample, which the neighbor search cannot reach)."""
+    from autotune import search
+    from ops.swiglu import gemm_bf16_swiglu_rank_kernel as RK
+
+    prob = {"N": 4096, "I": 1024, "S": 2, "TOPK": 4}
+    monkeypatch.setattr(search, "_compile", _compile_nothing)
+    kw = dict(max_candidates=1, out=str(tmp_path), write=False, progress=False)
+    _, alone = search.tune(RK, "gfx942", prob, [1], **kw)
+    base = alone["entries"][0]["config"]
+    keys = ("BLOCK_N", "BLOCK_K")               # its numerics tile (BLOCK_M and N_TILES: launch keys)
+    far = {**base, "BLOCK_N": 16 if base["BLOCK_N"] != 16 else 32, "BLOCK_K": 256 if base["BLOCK_K"] != 256 else 32}
+    monkeypatch.setattr(search, "score", lambda kernel, target, p, m, c, rep:
+                        {"predicted_us": 1.0 if all(c[k] == far[k] for k in keys) else 2.0})
+    _, alone = search.tune(RK, "gfx942", prob, [1], **kw)
+    assert any(alone["entries"][0]["config"][k] != far[k] for k in keys)
+    sib = _doc([(1, far)], arch="gfx950", kernel="gemm_bf16_swiglu", problem={"N": 4096, "I": 1024, "S": 2})
+    _write(str(tmp_path), sib, store.file_name("gemm_bf16_swiglu", sib["problem"]))
+    _, seeded = search.tune(RK, "gfx942", prob, [1], **kw)
+    got = seeded["entries"][0]["config"]
+    assert all(got[k] == far[k] for k in keys)

@@ -1,9 +1,11 @@
-"""gemm_bf16_swiglu_combine (ops/swiglu.py): a MoE layer's shared-expert down GEMM with the layer's
-end (ops.moe.combine_add) in its epilogue.
+"""gemm_bf16_swiglu_combine and gemm_bf16_swiglu_rank (ops/swiglu.py): a MoE layer's shared-expert
+down GEMM with the layer's end in its epilogue (ops.moe.combine_add at world size 1, a rank's
+ops.moe.combine_rank at world size > 1).
 
-Tolerances: none. It must give the bits of the two-launch chain it replaces, gemm_bf16_swiglu (same
-config) then moe_combine_add: the residual updated in place and the f32 rows, with ids outside
-[0, E) counting 0 (their partial rows are NaN: never read), on fresh random data, outputs poisoned.
+Tolerances: none. Each must give the bits of the two-launch chain it replaces, gemm_bf16_swiglu (same
+config) then moe_combine_add (the residual updated in place and the f32 rows) or moe_combine_rank
+(the rank's bf16 rows), with ids outside [0, E) counting 0 (their partial rows are NaN: never read),
+on fresh random data, outputs poisoned.
 """
 from __future__ import annotations
 
@@ -104,3 +106,60 @@ def test_kernel_refuses_partials_of_another_row_count():
     rows = poisoned((M, N), torch.float32)
     with pytest.raises(kd.LaunchError, match="M\\*TOPK"):
         W.gemm_bf16_swiglu_combine_kernel(part, w, partial[:3], ids.reshape(-1)[:3], res.clone(), rows, K, E)
+
+
+def _rank_chain(part, w, ids, partial, E, cfg):
+    """gemm_bf16_swiglu -> moe_combine_rank (the two launches gemm_bf16_swiglu_rank replaces)."""
+    M, N = ids.shape[0], w.shape[0]
+    shared = poisoned((M, N), torch.bfloat16)
+    W.gemm_bf16_swiglu_kernel(part, w, shared, config=cfg)
+    out = poisoned((M, N), torch.bfloat16)
+    moe.moe_combine_rank(partial, ids.reshape(-1), shared, out, ids.shape[1], E, 1, config={"BLOCK_N": 64})
+    return out
+
+
+@pytest.mark.parametrize("S,M,I,N,K,E,cfg,bad", [
+    (8, 1, 64, 96, 8, 32, {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32}, (-1,)),
+    (2, 3, 40, 48, 4, 16, {"BLOCK_M": 2, "BLOCK_N": 16, "BLOCK_K": 32, "N_TILES": 2}, (-1, 16)),
+    (1, 18, 32, 48, 2, 6, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}, (-1, 6, 2**30)),
+])
+def test_rank_equals_the_two_launch_chain(S, M, I, N, K, E, cfg, bad):
+    """-1 is another expert-parallel rank's expert (moe_route_local): it adds nothing."""
+    part, w, ids, partial, _ = _case(S, M, I, N, K, E, seed=S * 100 + M * 10 + I + 1, bad=bad)
+    ref = _rank_chain(part, w, ids, partial, E, cfg)
+    out = poisoned((M, N), torch.bfloat16)
+    W.gemm_bf16_swiglu_rank_kernel(part, w, partial, ids.reshape(-1), out, K, E, config=cfg)
+    assert torch.equal(out, ref) and not out.isnan().any()
+    assert torch.equal(W.gemm_bf16_swiglu_rank(part, w, partial, ids, E, config=cfg), ref)
+    assert torch.equal(W.gemm_bf16_swiglu_rank(part, w, partial, ids, E, backend="torch"),
+                       moe.moe_combine_rank_ref(partial, ids, W.gemm_bf16_swiglu_ref(part, w), E))
+
+
+def test_rank_bad_ids_stay_inside_guards_and_checks():
+    """As for the combine: views into bigger poisoned buffers, ids outside [0, E) touch nothing, only
+    the token rows are written; the wrapper and the launch refuse mismatched shapes."""
+    import kdsl as kd
+
+    S, M, I, N, K, E = 2, 3, 32, 64, 4, 8
+    cfg = {"BLOCK_M": 2, "BLOCK_N": 32, "BLOCK_K": 32}
+    part, w, ids, partial, _ = _case(S, M, I, N, K, E, seed=13, bad=(-1, E, 10**6, -2**31))
+    ref = _rank_chain(part, w, ids, partial, E, cfg)
+    nan = float("nan")
+    pv, pbuf = _guarded(partial, nan)
+    iv, ibuf = _guarded(ids.reshape(-1), -123)
+    ov, obuf = _guarded(torch.full((M, N), nan).bfloat16(), nan)
+    W.gemm_bf16_swiglu_rank_kernel(part, w, pv, iv, ov, K, E, config=cfg)
+    for buf, n in ((pbuf, M * K), (obuf, M)):
+        assert torch.cat([buf[:GUARD], buf[GUARD + n:]]).float().isnan().all()
+    assert (torch.cat([ibuf[:GUARD], ibuf[GUARD + M * K:]]) == -123).all()
+    assert torch.equal(ov, ref)
+    op = W.gemm_bf16_swiglu_rank
+    with pytest.raises(ValueError, match="partial"):
+        op(part, w, partial[:3], ids, E)
+    with pytest.raises(ValueError, match="part"):
+        op(part[:, :2], w, partial, ids, E)
+    with pytest.raises(ValueError, match="w"):
+        op(part, w[:, :16], partial, ids, E)
+    with pytest.raises(kd.LaunchError, match="M\\*TOPK"):
+        W.gemm_bf16_swiglu_rank_kernel(part, w, partial[:3], ids.reshape(-1)[:3], poisoned((M, N), torch.bfloat16),
+                                       K, E)

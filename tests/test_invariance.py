@@ -366,3 +366,28 @@ def test_swiglu_combine_rows_batch1_equal_batch8(arch: str, S: int) -> None:
         r = res.clone()
         rows = swiglu.gemm_bf16_swiglu_combine(part, w, partial, ids, r, E, config=cfg[m])
         assert torch.equal(rows[3], one[0]) and torch.equal(r[3], r1[0])
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_swiglu_rank_rows_batch1_equal_batch8(arch: str) -> None:
+    """A rank's MoE layer end at world size > 1 (the shared down GEMM with the rank's top-k sum in its
+    epilogue) at the Kimi TP8 problem's tuned configs: one numerics choice for every M, and a token's
+    row has the same bits alone and in a batch of 8 (with 64 and 128 rows' configs too)."""
+    from ops import swiglu
+
+    g = torch.Generator().manual_seed(11)
+    S, M, I, N, K, E = 8, 8, 32, 96, 4, 16
+    part = torch.randn(S, M, 2 * I, generator=g)
+    w = (torch.randn(N, I, generator=g) * 0.2).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(M)]).to(torch.int32)
+    ids[2, 1] = -1                                   # another expert-parallel rank's expert
+    partial = torch.randn(M * K, N, generator=g)
+    kern = swiglu.gemm_bf16_swiglu_rank_kernel
+    prob = {"N": 7168, "I": 256, "S": S, "TOPK": 8}
+    cfg = {m: invariant_config(kern, prob, m, None, arch=arch) for m in (1, 8, 128)}
+    assert len({str(_numerics(c, kern)) for c in cfg.values()}) == 1
+    for t in (2, 3):
+        one = swiglu.gemm_bf16_swiglu_rank(part[:, t:t + 1], w, partial[t * K:(t + 1) * K], ids[t:t + 1], E,
+                                           config=cfg[1])
+        for m in (8, 128):
+            assert torch.equal(swiglu.gemm_bf16_swiglu_rank(part, w, partial, ids, E, config=cfg[m])[t], one[0])

@@ -367,12 +367,14 @@ def test_tp_step_is_rank0_of_the_parallel_model():
         kinds = [(c.kind, c.layer) for c in rec.mode.collectives]
         assert kinds == [("all_reduce", 0), ("all_reduce", 0), ("all_reduce", 1), ("all_reduce", 1), ("all_gather", None)]
         # the fused path at world 8: no torch op in a layer (the all-reduces are the only non-kdsl work);
-        # EP local ids come out of the route kernel, the rank's share out of moe_combine_rank
+        # EP local ids come out of the route kernel, the rank's share out of the shared expert's down
+        # GEMM's epilogue (gemm_bf16_swiglu_rank: no moe_combine_rank launch)
         assert [op.name for op in rec.mode.ops if op.layer is not None] == []
         moe_layer = [r.kernel.name for r, l in zip(rec.launches, launch_layers(rec)) if l == 1]
-        assert moe_layer[-2:] == ["moe_combine_rank", "rmsnorm_add"]      # the all-reduce runs between them
+        assert moe_layer[-2:] == ["gemm_bf16_swiglu_rank", "rmsnorm_add"]   # the all-reduce runs between them
         assert fused in moe_layer and not {"moe_route", "moe_route_local", "moe_align_one"} & set(moe_layer)
-        assert not {"moe_sum_ids", "moe_combine_norm", "rmsnorm"} & set(moe_layer)
+        assert not {"moe_sum_ids", "moe_combine_norm", "moe_combine_rank", "gemm_bf16_swiglu", "rmsnorm"} \
+            & set(moe_layer)
         assert rec.mode.collectives[0].nbytes == 7168 * 2 and rec.mode.collectives[-1].nbytes == 163840 // 8 * 4
         items = cost_step(dataclasses.replace(rec, launches=[]), cfg, "gfx942", 8192, tp=8)   # no AOT compiles
         links = [it for it in items if it.kind == "allreduce"]
