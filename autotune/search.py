@@ -527,9 +527,11 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     for b in buckets:
         spaces[b] = build(kernel, target, static, bucket_m(b), seed, max_candidates, pm.m_block)
     # warm start: the configs of the file being replaced compete too (a smaller sample never loses
-    # a config an earlier, larger search found; the cost model re-ranks them)
-    prior_path = os.path.join(out, target.name, os.path.basename(file_path(kernel, target.name, prob))) if out else \
-        file_path(kernel, target.name, prob)
+    # a config an earlier, larger search found; the cost model re-ranks them): the one under `out`,
+    # else the package's (a first tune into an empty --out folder still starts from it)
+    prior_path = file_path(kernel, target.name, prob)
+    if out and os.path.exists(os.path.join(out, target.name, os.path.basename(prior_path))):
+        prior_path = os.path.join(out, target.name, os.path.basename(prior_path))
     priors = _prior_configs(kernel, target, static, prior_path)
     for other in _warm_start_files(kernel, target, prob, out):
         priors += [c for c in _prior_configs(kernel, target, static, other) if c not in priors]

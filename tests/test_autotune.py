@@ -738,6 +738,11 @@ def test_keep_numerics_tunes_launch_keys_of_the_files_tile(tmp_path, monkeypatch
         search.tune(K, "gfx942", PROB, [1], keep_numerics=True, **kw)
     with pytest.raises(ValueError, match="no tuned file"):
         search.tune(G, "gfx942", {"N": 512, "K": 512}, [1], keep_numerics=True, **kw)
+    # an --out folder without the file: the package's file is the one being replaced (its tile kept)
+    pkg = {"N": 7168, "K": 1024}
+    want = search._numerics(store.load_file(store.file_path(G, "gfx942", pkg))["entries"][0]["config"], G)
+    _, kept = search.tune(G, "gfx942", pkg, [256], keep_numerics=True, **{**kw, "out": str(tmp_path / "empty")})
+    assert search._numerics(kept["entries"][0]["config"], G) == want
 
 
 def test_rewriting_some_buckets_retunes_the_others_under_the_new_tile(tmp_path, monkeypatch):
