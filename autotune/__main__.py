@@ -365,7 +365,9 @@ def _add_tune_model(sub: Any) -> None:
     m.add_argument("--tp", type=int, default=1, help="per-GPU shapes of tensor parallelism N (heads, intermediate / N)")
     m.add_argument("--moe-parallel", default="tp", help="tp (intermediate / N) or ep (experts / N) with --tp")
     m.add_argument("--arch", required=True, help="gfx942 | gfx950 | sm90")
-    m.add_argument("--m", default="1,2,4,8,16,32,64,128", help="M buckets (default 1..128)")
+    m.add_argument("--m", default="1,2,4,8,16,32,64,128",
+                   help="M buckets (default 1..128); the step is also recorded at the largest one's tokens, and a "
+                        "launch whose own M outgrows them (routed pairs) gets the buckets up to its M too")
     m.add_argument("--q-lens", default="1,4", help="step q_lens to record (decode 1, verify 4)")
     m.add_argument("--out", default=None, help="root folder for the files (required unless --in-place)")
     m.add_argument("--in-place", action="store_true", help="write into the package's autotune/configs")
@@ -397,7 +399,7 @@ def cmd_tune_model(a: argparse.Namespace) -> int:
     if not 1 <= a.tp <= 64:
         _fail(f"autotune: --tp must be in 1..64, got {a.tp}")
     try:
-        from bench.step import load_model_config, step_problems
+        from bench.step import load_model_config, step_problem_spans
     except ImportError as e:
         _fail(f"autotune: tune-model needs the bench package of a checkout (run from the repository root): {e}")
     try:
@@ -406,7 +408,9 @@ def cmd_tune_model(a: argparse.Namespace) -> int:
         cfg = load_model_config(a.config, a.tp, a.moe_parallel, layers=3)
     except (ValueError, OSError) as e:
         _fail(f"autotune: --config {a.config!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-    probs = step_problems(cfg, a.experts, a.arch, [int(q) for q in qls if q != ANY], tp=a.tp, moe_parallel=a.moe_parallel)
+    tokens = max([m for m in ms if m != ANY] or [1])
+    probs = step_problem_spans(cfg, a.experts, a.arch, [int(q) for q in qls if q != ANY], tokens, tp=a.tp,
+                               moe_parallel=a.moe_parallel)
     print(f"{len(probs)} distinct kernel problems in the step ({a.experts}, tp {a.tp}, {a.arch})")
     return _tune_problems(a, probs, out, ms)
 
@@ -474,20 +478,26 @@ def _takes_numerics_from_another(kernel: Any, prob: dict[str, Any]) -> bool:
 
 
 def _tune_problems(a: argparse.Namespace, probs: list, out: str | None, ms: list[Any]) -> int:
-    """Tune each (kernel, problem, smallest M) of a recorded step (target or draft) at the M buckets it
-    can use: buckets below the smallest M of the launch (q_len 4 attention, the draft's extend: M >= 4)
-    are never used; one problem failing does not stop the others."""
-    from .buckets import bucket_for
+    """Tune each (kernel, problem, smallest M[, largest M]) of a recorded step (target or draft) at the
+    M buckets it can use: buckets below the smallest M of the launch (q_len 4 attention, the draft's
+    extend: M >= 4) are never used, and a launch whose own M outgrows the step's tokens (routed pairs)
+    gets the ladder's buckets up to its largest M as well; one problem failing does not stop the others."""
+    from .buckets import LADDER, bucket_for
     from .search import tune
     from .store import file_path, load_file
 
     only = set(x.strip() for x in a.only.split(",")) if a.only else None
-    for kern, prob, m_min in sorted(probs, key=lambda t: _takes_numerics_from_another(t[0], t[1])):
+    top = max([m for m in ms if m != ANY] or [0])
+    for kern, prob, m_min, *m_max in sorted(probs, key=lambda t: _takes_numerics_from_another(t[0], t[1])):
         if only and kern.name not in only:
             continue
         lo = bucket_for(max(1, m_min))       # the extend's launches (q_len k+1) never run below M = k+1
         want = [m for m in ms if m == ANY or bucket_for(m) >= lo] or [lo, ANY]
-        label = f"{kern.name} " + ",".join(f"{k}={v}" for k, v in prob.items())
+        hi = bucket_for(max([top, *m_max]))
+        extra = [b for b in LADDER if top < b and (hi == ANY or b <= hi) and b >= lo and b not in want]
+        want += extra + ([ANY] if hi == ANY and ANY not in want else [])
+        label = f"{kern.name} " + ",".join(f"{k}={v}" for k, v in prob.items()) + \
+            (f"  (+ buckets {','.join(map(str, extra))}: up to {m_max[0]} rows)" if extra else "")
         if a.dry_run:
             print("  " + label)
             continue

@@ -128,12 +128,47 @@ def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: i
     """Distinct (kernel, keyed problem, smallest M launched) of the kdsl launches of the recorded
     steps (for tune-model). Kernels whose op looks up no tuned config are left out (nothing would
     read their files). The smallest M matters for decode attention: at q_len 4, M = batch x 4."""
+    probs = _with_o_proj_tail_paths(_with_stage2_quant_paths(
+        _recorded(cfg, experts, arch, q_lens, batch, ctx, tp, moe_parallel, per_sequence=True)), arch)
+    return _ep_scored(cfg, tp, moe_parallel, probs)
+
+
+def step_problem_spans(cfg: Any, experts: str, arch: str, q_lens: list[int], tokens: int, tp: int = 1,
+                       moe_parallel: str = "tp") -> list[tuple[Any, dict[str, Any], int, int]]:
+    """`step_problems` (batch 1) with, for each problem, the largest M its launches take in a step of
+    `tokens` new tokens (each q_len at batch tokens / q_len; the largest step tune-model tunes for):
+    (kernel, keyed problem, smallest per-sequence M, largest M). A launch's own M is not always the
+    step's tokens (the MoE align kernels count routed pairs, top-k per token) and some kernels launch
+    only from a few tokens on (route and align apart from 8 tokens): the batch-1 record alone would
+    leave their large-batch buckets, or the kernels, untuned. Problems only the tuner's both-paths
+    rule adds keep their batch-1 M."""
+    spans: dict[tuple, list] = {}
+    for k, p, m in step_problems(cfg, experts, arch, q_lens, tp=tp, moe_parallel=moe_parallel):
+        spans[(k.name, json.dumps(p, sort_keys=True))] = [k, p, m, m]
+    for ql in q_lens:
+        b = max(1, tokens // ql)
+        raw = _recorded(cfg, experts, arch, [ql], b, 8192, tp, moe_parallel, per_sequence=False)
+        for k, p, m in _ep_scored(cfg, tp, moe_parallel, raw):
+            span = spans.setdefault((k.name, json.dumps(p, sort_keys=True)), [k, p, max(1, m // b), m])
+            span[3] = max(span[3], m)
+    return [tuple(v) for _, v in sorted(spans.items(), key=lambda kv: kv[0])]
+
+
+def _recorded(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: int, ctx: int, tp: int,
+              moe_parallel: str, per_sequence: bool) -> list[tuple[Any, dict[str, Any], int]]:
+    """`_problems` of one forward per q_len at `batch` sequences: the smallest M per sequence
+    (`per_sequence`) or the largest M launched."""
     mode = HostShadowMode()
     model = build_model(cfg, experts, mode, tp, moe_parallel)
-    probs = _problems([record_step(cfg, experts, arch, batch, ctx, ql, model, mode) for ql in q_lens], batch)
-    probs = _with_o_proj_tail_paths(_with_stage2_quant_paths(probs), arch)
+    recs = [record_step(cfg, experts, arch, batch, ctx, ql, model, mode) for ql in q_lens]
+    return _problems(recs, batch) if per_sequence else _problems(recs, 1, largest=True)
+
+
+def _ep_scored(cfg: Any, tp: int, moe_parallel: str, probs: list[tuple[Any, dict[str, Any], int]]
+               ) -> list[tuple[Any, dict[str, Any], int]]:
+    """EP: the routed-expert problems carry EALL, so they are tuned for the rank's share."""
     ep = cfg.n_routed_experts if moe_parallel == "ep" and tp > 1 else None
-    return [(k, {**p, **ep_share(k, p, ep)}, m) for k, p, m in probs]   # EP: tuned for the rank's share
+    return [(k, {**p, **ep_share(k, p, ep)}, m) for k, p, m in probs]
 
 
 def _extendable(probs: list[tuple[Any, dict[str, Any], int]]) -> tuple[list, Any]:
@@ -202,9 +237,9 @@ def _with_o_proj_tail_paths(probs: list[tuple[Any, dict[str, Any], int]], arch: 
     return out
 
 
-def _problems(recs: list[StepRecord], batch: int) -> list[tuple[Any, dict[str, Any], int]]:
-    """Distinct (kernel, keyed problem, smallest per-sequence M) of the recorded steps' launches whose
-    op looked up a tuned config."""
+def _problems(recs: list[StepRecord], batch: int, largest: bool = False) -> list[tuple[Any, dict[str, Any], int]]:
+    """Distinct (kernel, keyed problem, smallest per-sequence M; `largest`: the largest M over
+    `batch`) of the recorded steps' launches whose op looked up a tuned config."""
     from autotune.problems import m_of, strip_m
 
     out: dict[tuple, tuple[Any, dict[str, Any], int]] = {}
@@ -217,7 +252,7 @@ def _problems(recs: list[StepRecord], batch: int) -> list[tuple[Any, dict[str, A
             key = (r.kernel.name, json.dumps(p, sort_keys=True))
             m = m_of(r.kernel, r.dims) // max(1, batch)  # per sequence: the batch-1 M of this launch
             prev = out.get(key)
-            out[key] = (r.kernel, p, min(m, prev[2]) if prev else m)
+            out[key] = (r.kernel, p, ((max if largest else min)(m, prev[2])) if prev else m)
     return [out[k] for k in sorted(out)]
 
 

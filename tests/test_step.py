@@ -459,6 +459,12 @@ def test_tune_model_dry_run_lists_the_step_problems(capsys):
         assert f"  {want}\n" in out
     # both paths of o_proj's residual-add norm too (ops.splitk_norm.fused_pays reads both)
     assert "  gemm_bf16_splitk_norm_quant D=7168,K=8192\n" in out and "  gemm_bf16_splitk_norm D=7168,K=8192\n" in out
+    # the step is recorded at 128 tokens too: from 8 tokens routing and aligning run apart, and the
+    # align kernels' M counts routed pairs (top-8: 1024 at 128 tokens), so they get buckets past 128
+    assert "  moe_route E=384,TOPK=8\n" in out
+    for k in ("moe_align_blocks E=384,BM=16", "moe_align_scatter E=384"):
+        assert f"  {k}  (+ buckets 256,512,1024: up to 1024 rows)\n" in out
+    assert "  gemm_bf16_splitk N=4480,K=7168\n" in out          # a token-M launch: buckets up to 128 only
 
 
 def test_ep_tuning_scores_the_ranks_share(capsys, tmp_path):
