@@ -133,8 +133,8 @@ def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: i
     return _ep_scored(cfg, tp, moe_parallel, probs)
 
 
-def step_problem_spans(cfg: Any, experts: str, arch: str, q_lens: list[int], tokens: int, tp: int = 1,
-                       moe_parallel: str = "tp") -> list[tuple[Any, dict[str, Any], int, int]]:
+def step_problem_spans(cfg: Any, experts: str, arch: str, q_lens: list[int], tokens: int, ctx: int = 8192,
+                       tp: int = 1, moe_parallel: str = "tp") -> list[tuple[Any, dict[str, Any], int, int]]:
     """`step_problems` (batch 1) with, for each problem, the largest M its launches take in a step of
     `tokens` new tokens (each q_len at batch tokens / q_len; the largest step tune-model tunes for):
     (kernel, keyed problem, smallest per-sequence M, largest M). A launch's own M is not always the
@@ -143,11 +143,11 @@ def step_problem_spans(cfg: Any, experts: str, arch: str, q_lens: list[int], tok
     leave their large-batch buckets, or the kernels, untuned. Problems only the tuner's both-paths
     rule adds keep their batch-1 M."""
     spans: dict[tuple, list] = {}
-    for k, p, m in step_problems(cfg, experts, arch, q_lens, tp=tp, moe_parallel=moe_parallel):
+    for k, p, m in step_problems(cfg, experts, arch, q_lens, ctx=ctx, tp=tp, moe_parallel=moe_parallel):
         spans[(k.name, json.dumps(p, sort_keys=True))] = [k, p, m, m]
     for ql in q_lens:
         b = max(1, tokens // ql)
-        raw = _recorded(cfg, experts, arch, [ql], b, 8192, tp, moe_parallel, per_sequence=False)
+        raw = _recorded(cfg, experts, arch, [ql], b, ctx, tp, moe_parallel, per_sequence=False)
         for k, p, m in _ep_scored(cfg, tp, moe_parallel, raw):
             span = spans.setdefault((k.name, json.dumps(p, sort_keys=True)), [k, p, max(1, m // b), m])
             span[3] = max(span[3], m)
