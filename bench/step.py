@@ -130,7 +130,23 @@ def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: i
     read their files). The smallest M matters for decode attention: at q_len 4, M = batch x 4."""
     probs = _with_o_proj_tail_paths(_with_stage2_quant_paths(
         _recorded(cfg, experts, arch, q_lens, batch, ctx, tp, moe_parallel, per_sequence=True)), arch)
-    return _ep_scored(cfg, tp, moe_parallel, probs)
+    return _ep_scored(cfg, tp, moe_parallel, _with_add_norm_path(probs, cfg, tp))
+
+
+def _with_add_norm_path(probs: list[tuple[Any, dict[str, Any], int]], cfg: Any, tp: int
+                        ) -> list[tuple[Any, dict[str, Any], int]]:
+    """`probs` plus gemm_bf16_addnorm at the q_a|kv_a shape at world size > 1: the model takes it
+    or the chain (rmsnorm_add + gemm_bf16_splitk, both also launched elsewhere in the step) from
+    the files of both (`ops.gemm_addnorm.addnorm_pays`), so a step recorded before its file
+    exists (the chain) must still get it tuned."""
+    from ops.gemm_addnorm import gemm_bf16_addnorm_kernel
+
+    if tp <= 1 or not cfg.q_lora_rank:
+        return probs
+    out, add = _extendable(probs)
+    add(gemm_bf16_addnorm_kernel, {"N": cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                   "K": cfg.hidden_size}, 1)
+    return out
 
 
 def step_problem_spans(cfg: Any, experts: str, arch: str, q_lens: list[int], tokens: int, ctx: int = 8192,
@@ -638,6 +654,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--o-proj-norm", default="auto", choices=("auto", "on", "off"),
                    help="world size 1: o_proj runs the residual-add norm in its last programs (KimiModel.o_proj_norm): "
                         "auto (where the tuned files say it pays, ops.splitk_norm.fused_pays), on, off (default auto)")
+    p.add_argument("--add-norm-in-gemm", default="auto", choices=("auto", "on", "off"),
+                   help="--tp > 1: a layer's residual add and input norm run in its q_a|kv_a GEMM's prologue "
+                        "(KimiModel.add_norm_in_gemm): auto (where the tuned files say it pays for every size up to "
+                        "--batch x 8 rows, ops.mla.MAX_Q_LEN; ops.gemm_addnorm.addnorm_pays), on, off (default auto)")
     _add_draft_args(p)
     a = p.parse_args(argv)
     for flag, v, lo, hi in (("--batch", a.batch, 1, 4096), ("--ctx", a.ctx, 1, 1 << 22), ("--tp", a.tp, 1, 64),
@@ -684,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log = (lambda m: print(m, file=sys.stderr)) if a.json else (lambda m: print(m, flush=True))
     doc: dict[str, Any] = {"config": a.config, "batch": a.batch, "ctx": a.ctx, "tp": a.tp, "gap": a.gap,
-                           "o_proj_norm": a.o_proj_norm,
+                           "o_proj_norm": a.o_proj_norm, "add_norm_in_gemm": a.add_norm_in_gemm,
                            "layers": full.num_hidden_layers, "layers_recorded": cfg.num_hidden_layers,
                            "assumptions": {"launch_gap_us": costmodel.LAUNCH_GAP_US,
                                            "allreduce_latency_us_bw_gbps": ALLREDUCE,
@@ -703,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         model = build_model(cfg, fmt, mode, a.tp, a.moe_parallel)
         model.o_proj_norm = {"auto": "auto", "on": True, "off": False}[a.o_proj_norm]
+        model.add_norm_in_gemm = {"auto": "auto", "on": True, "off": False}[a.add_norm_in_gemm]
         log(f"built {fmt} model ({cfg.num_hidden_layers} layers) on meta in {time.time() - t0:.1f}s")
         for arch in a.archs:
             for ql in a.qls:

@@ -243,7 +243,9 @@ class _MoE:
         split-K shared expert (and the owner's `combine_in_shared`, default) that combine_add runs in
         the shared down GEMM's epilogue (ops.swiglu.gemm_bf16_swiglu_combine): the layer ends in one
         launch, not two, with the same bits; at world size > 1 so does combine_rank
-        (ops.swiglu.gemm_bf16_swiglu_rank)."""
+        (ops.swiglu.gemm_bf16_swiglu_rank). `raw_next` at world size > 1: the layer ends with the
+        all-reduce and returns (its bf16 rows, the post-attention residual): the next attention's
+        first GEMM adds them and norms (ops.gemm_addnorm), no rmsnorm_add launch."""
         from ops.moe import MoEWeights, combine_add, combine_norm, combine_rank, expert_block_m, fused_experts
 
         if self.backend != "triton" or not isinstance(self.experts, MoEWeights) or h.dtype != torch.bfloat16 \
@@ -274,7 +276,7 @@ class _MoE:
         if self.comm.world > 1 and shared_part is not None and getattr(self.owner, "combine_in_shared", True):
             # the rank's share (combine_rank) in the shared down GEMM's epilogue, one launch
             mine = self.shared.down_rank_of_partials(shared_part, part, ids, len(self.local))
-            return nxt.add_norm(self.comm.all_reduce(mine), h)
+            return (self.comm.all_reduce(mine), h) if raw_next else nxt.add_norm(self.comm.all_reduce(mine), h)
         if shared_part is not None:
             s = self.shared.down_of_partials(shared_part)
         else:
@@ -285,6 +287,8 @@ class _MoE:
             y = combine_norm(part, ids, s, h, nxt.w, nxt.eps, len(self.local), backend="triton")
             return y, h
         mine = combine_rank(part, ids, s, len(self.local), backend="triton")
+        if raw_next:                # the next attention's first GEMM adds the residual and norms
+            return self.comm.all_reduce(mine), h
         return nxt.add_norm(self.comm.all_reduce(mine), h)     # aux captures see full sums
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -346,21 +350,25 @@ class _MLA:
         self.fused = True        # triton: the fused MLA kernels (ops.mla_fused); False runs the unfused ops
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache, layer: int,
-                 ctx: StepCtx, partials: bool | NormTail = False, x_norm: Optional[RMSNorm] = None
-                 ) -> torch.Tensor | PendingGemm:
+                 ctx: StepCtx, partials: bool | NormTail = False, x_norm: Optional[RMSNorm] = None,
+                 residual: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor | PendingGemm:
         """The attention output [T, hidden]; `partials` lets the fused triton path return o_proj's f32
         split-K partials [S, T, hidden] instead (a dense bf16 o_proj: see `_fused`), which only the
         residual-add norms (RMSNorm.add_norm / add_norm_quant) may read; a `NormTail` returns o_proj
         itself, not run yet (a PendingGemm), which those norms run (with their tail where it pays).
         `x_norm` (only where `takes_raw_rows`): x is the residual stream as f32 rows [1, T, hidden],
-        not yet normed; the q_a|kv_a GEMM applies x_norm in its prologue."""
+        not yet normed; the q_a|kv_a GEMM applies x_norm in its prologue. With `residual` (world size
+        > 1: (the residual stream, where its update goes)) x is the all-reduced output of the layer
+        before, bf16 [T, hidden], and that GEMM adds the residual first and stores the sum."""
         from ops.rope import apply_rope, rope_ref
 
         c = self.cfg
         if x_norm is not None and not self.takes_raw_rows:
             raise ValueError("_MLA: un-normed rows need the fused triton path with dense bf16 q_a|kv_a and q_b")
+        if residual is not None and x_norm is None:
+            raise ValueError("_MLA: a pending residual add needs x_norm (the rows are normed after the add)")
         if self.backend == "triton" and self.fused:
-            return self._fused(x, cos, sin, cache.kv[layer], ctx, partials, x_norm)
+            return self._fused(x, cos, sin, cache.kv[layer], ctx, partials, x_norm, residual)
         T = x.shape[0]
         H, nope, r, C = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         if self.qkv_a is not None:
@@ -396,9 +404,14 @@ class _MLA:
             self.qkv_a.dense is not None and self.qkv_a.dense.dtype == torch.bfloat16 and \
             self.q_b.dense is not None
 
+    @property
+    def qkv_a_shape(self) -> tuple[int, int]:
+        """(N, K) of the dense q_a|kv_a weight (where `takes_raw_rows`): the GEMM that norms the rows."""
+        return tuple(self.qkv_a.dense.shape)
+
     def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvl: torch.Tensor,
-               ctx: StepCtx, partials: bool | NormTail = False, x_norm: Optional[RMSNorm] = None
-               ) -> torch.Tensor | PendingGemm:
+               ctx: StepCtx, partials: bool | NormTail = False, x_norm: Optional[RMSNorm] = None,
+               residual: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor | PendingGemm:
         """The triton path in 6 launches (q_a|kv_a as one bf16 GEMM, a bf16 q_b): the q_a|kv_a GEMM
         split along K (gemm_bf16_splitk: f32 partials [S, T, q_lora + C + r], S times the programs of
         the plain GEMM at its small N) -> q_b GEMM with the split sum and the q_a RMSNorm in its
@@ -412,10 +425,13 @@ class _MLA:
         CUs idle) and its f32 partials are returned for the residual-add norm that follows, which adds
         them in split order and rounds to bf16 the same way. `x_norm`: x is the un-normed residual
         stream as f32 rows [1, T, hidden] and the q_a|kv_a GEMM is gemm_bf16_rmsnorm (the input norm
-        in its prologue, split-K partials out), so the MoE layer before ends without a norm. A
+        in its prologue, split-K partials out), so the MoE layer before ends without a norm; with
+        `residual` (world size > 1) x is the all-reduced bf16 rows of the layer before and the GEMM is
+        gemm_bf16_addnorm (the residual add, its store and the norm in its prologue). A
         quantized q_a|kv_a or q_b, or separate q_a / kv_a take the 7-launch form (mla_prep, then the q_b GEMM and mla_q_absorb). Same math as the
         torch path below."""
         from ops.gemm import gemm_bf16_rmsnorm, gemm_bf16_splitk
+        from ops.gemm_addnorm import gemm_bf16_addnorm
         from ops.mla_fused import mla_prep, q_absorb, q_absorb_append
 
         c = self.cfg
@@ -425,7 +441,10 @@ class _MLA:
         eps, wkv = self.kv_norm.eps, self.kv_norm.w
         ql = c.q_lora_rank
         if self.qkv_a is not None and self.qkv_a.dense is not None and self.q_b.dense is not None:
-            if x_norm is not None:                 # the input norm in the GEMM's prologue
+            if residual is not None:               # the residual add and the input norm in its prologue
+                part, _ = gemm_bf16_addnorm(x, residual[0], x_norm.w, self.qkv_a.dense, x_norm.eps, partials=True,
+                                            res_out=residual[1])
+            elif x_norm is not None:               # the input norm in the GEMM's prologue
                 part = gemm_bf16_rmsnorm(x, x_norm.w, self.qkv_a.dense, x_norm.eps, partials=True)
             else:
                 part = gemm_bf16_splitk(x.to(torch.bfloat16), self.qkv_a.dense)   # [S, T, ql + C + r] f32
@@ -525,8 +544,9 @@ class KimiModel:
         dev = self.device
         self.adt = act_dtype(backend, dtype)
         self.routing: Optional[RoutingTrace] = None      # record / replay expert choices (tests, debugging)
-        # triton, world size 1: a MoE layer ends without the next input norm when the next attention
-        # norms its rows in its first GEMM's prologue (_MLA.takes_raw_rows); False: every layer ends normed
+        # triton: a MoE layer ends without the next input norm when the next attention norms its rows in
+        # its first GEMM's prologue (_MLA.takes_raw_rows; at world size > 1 with the residual add too,
+        # ops.gemm_addnorm); False: every layer ends normed
         self.norm_in_gemm = True
         # ... and such a layer's end (combine_add; at world size > 1 combine_rank) runs in the epilogue of
         # its shared expert's down GEMM (ops.swiglu.gemm_bf16_swiglu_combine / gemm_bf16_swiglu_rank: one
@@ -537,6 +557,10 @@ class KimiModel:
         # and verify size (ops.splitk_norm.fused_pays), True always (up to the counters' rows), False never
         self.o_proj_norm = "auto"
         self.o_proj_counters = None       # its ticket counters: allocated once, below (triton, world size 1)
+        # world size > 1: the next layer's residual add and input norm run in its q_a|kv_a GEMM's
+        # prologue (ops.gemm_addnorm, one launch fewer): "auto" where the tuned files say it pays at every
+        # size up to the cache's slots x MAX_Q_LEN rows (ops.gemm_addnorm.addnorm_pays), True, False
+        self.add_norm_in_gemm: bool | str = "auto"
         self.capture_ids = tuple(capture_ids) if capture_ids is not None else cfg.capture_layer_ids
         for i in self.capture_ids:
             if not 1 <= i <= cfg.num_hidden_layers:
@@ -600,33 +624,55 @@ class KimiModel:
         N = self.cfg.num_hidden_layers
         caps: dict[int, torch.Tensor] = {}
         x = self.layers[0][0](h) if N else self.norm(h)
-        x_norm: Optional[RMSNorm] = None      # set: x is h as f32 rows, normed by attn's first GEMM
+        x_norm: Optional[RMSNorm] = None      # set: x is h as f32 rows (world size > 1: the all-reduced rows,
+        #                                       added to h there), normed by attn's first GEMM
         fuse = self.backend == "triton"
         for i, (n1, attn, n2, mlp) in enumerate(self.layers):
+            pending = None      # world size > 1, x un-normed: the residual add runs in attn's first GEMM
+            if x_norm is not None and self.comm.world > 1:
+                pending = (h, torch.empty_like(h))
+                h = pending[1]
             if i in self.capture_ids:                         # the residual stream entering layer i: the
                 caps[i] = h                                   # norms write each new sum to a new tensor
             if self.comm.world == 1:      # triton: o_proj's split-K partials, summed by the norm below
                 a = attn(x, cos, sin, cache, i, ctx, partials=self._o_proj_partials(fuse), x_norm=x_norm)
-            else:
-                a = self.comm.all_reduce(attn(x, cos, sin, cache, i, ctx))    # row-parallel o_proj: sum the ranks
+            else:                         # row-parallel o_proj: sum the ranks
+                a = self.comm.all_reduce(attn(x, cos, sin, cache, i, ctx, x_norm=x_norm, residual=pending))
             nxt = self.layers[i + 1][0] if i + 1 < N else self.norm
             fused = getattr(mlp, "fused_block", None) if fuse else None   # the MoE layers (_MoE)
-            # world size 1: the next attention may norm its input rows itself (no norm at the MoE end)
-            raw = self.norm_in_gemm and self.comm.world == 1 and i + 1 < N and \
-                getattr(self.layers[i + 1][1], "takes_raw_rows", False)
+            # the next attention may norm its input rows itself (no norm at the MoE end)
+            raw = self.norm_in_gemm and i + 1 < N and getattr(self.layers[i + 1][1], "takes_raw_rows", False) and \
+                (self.comm.world == 1 or self._add_norm_in_gemm(self.layers[i + 1][1], cache, h.shape[0]))
             done = fused(a, h, n2, nxt, raw_next=raw) if fused is not None else None
             x_norm = nxt if done is not None and raw else None
             if done is not None:                          # MoE half + next norm (or f32 rows), the new residual
                 x, h = done
                 continue
             x, h = n2.add_norm(a, h)                                      # residual add fused into the norm
-            x, h = nxt.add_norm(self.comm.all_reduce(mlp(x)), h)          # aux captures see full sums
+            y = self.comm.all_reduce(mlp(x))                              # aux captures see full sums
+            if raw and self.comm.world > 1:       # the next attention's first GEMM adds and norms
+                x, x_norm = y.to(torch.bfloat16).contiguous(), nxt
+            else:
+                x, h = nxt.add_norm(y, h)
         if N in self.capture_ids:
             caps[N] = h
         advance(cache.table, ctx)
         logits = self.comm.gather_last(self.lm_head(x).float()).view(B, QL, -1)   # vocab-parallel head
         aux = torch.cat([caps[i] for i in self.capture_ids], -1).view(B, QL, -1) if self.capture_ids else None
         return StepOutput(logits, aux, h)
+
+    def _add_norm_in_gemm(self, attn: "_MLA", cache: LatentCache, rows: int) -> bool:
+        """World size > 1: whether the layer before `attn` ends at its all-reduce and attn's first
+        GEMM adds the residual and norms (`add_norm_in_gemm`; "auto": ops.gemm_addnorm.addnorm_pays for
+        the most rows this cache's decode and verify steps run, and `rows` within them)."""
+        if self.add_norm_in_gemm != "auto":
+            return bool(self.add_norm_in_gemm)
+        from kdsl.targets import current_target
+        from ops.gemm_addnorm import addnorm_pays
+        from ops.mla import MAX_Q_LEN
+
+        span = cache.table.batch * MAX_Q_LEN
+        return rows <= span and addnorm_pays(current_target().name, *attn.qkv_a_shape, span)
 
     def _o_proj_partials(self, fuse: bool) -> bool | NormTail:
         """What the attention returns at world size 1: o_proj as a PendingGemm that the next norm

@@ -38,6 +38,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--new", type=int, default=6)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="use the first N prompts")
     ap.add_argument("--no-step", action="store_true", help="skip the counted single step")
+    ap.add_argument("--add-norm-in-gemm", choices=("auto", "on", "off"), default="auto",
+                    help="KimiModel.add_norm_in_gemm (world size > 1)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -45,6 +47,14 @@ def main(argv: list[str]) -> int:
     tk = load_sharded(a.target, comm.plan) if world > 1 else load_target(a.target)
     want = a.cases.split(",")
     target = KimiModel(tk, backend=a.backend, device="cpu", comm=comm)
+    target.add_norm_in_gemm = {"auto": "auto", "on": True, "off": False}[a.add_norm_in_gemm]
+    import ops.gemm_addnorm as addnorm                    # count the fused add-norm GEMMs the run takes
+    calls, fused_op = [0], addnorm.gemm_bf16_addnorm
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return fused_op(*args, **kwargs)
+    addnorm.gemm_bf16_addnorm = counted
     draft = None
     if any(c[1] == "spec" for c in CASES if c[0] in want):      # plain-only runs need no draft
         dk = load_draft(a.draft, tk.config)
@@ -58,12 +68,23 @@ def main(argv: list[str]) -> int:
         r = eng.generate(PROMPTS[:a.prompts], a.new, mode, p, seed=7)
         out["cases"][name] = r.outputs
     out["collective_bytes"] = dict(comm.bytes)
+    out["addnorm_calls"] = calls[0]
     if not a.no_step:
         comm.reset_counts()                               # one target step of 1 x 3 rows: what it moves
         cache = target.new_cache(1, 16)
         cache.table.reserve_all(16)
-        target.step(cache, torch.tensor([[1, 2, 3]]))
+        got = target.step(cache, torch.tensor([[1, 2, 3]]))
         out["one_step"] = dict(comm.bytes)
+        if world > 1 and a.backend == "triton":    # the same step with the other residual-add path
+            was, target.add_norm_in_gemm = target.add_norm_in_gemm, not target.add_norm_in_gemm
+            other_cache = target.new_cache(1, 16)
+            other_cache.table.reserve_all(16)
+            other = target.step(other_cache, torch.tensor([[1, 2, 3]]))
+            target.add_norm_in_gemm = was
+            out["other_path"] = {"aux": (got.aux.float() - other.aux.float()).abs().max().item() /
+                                 got.aux.float().abs().max().item(),
+                                 "logits": (got.logits - other.logits).abs().max().item() /
+                                 got.logits.abs().max().item()}
     if comm.rank == 0:
         with open(a.out, "w") as f:
             json.dump(out, f)

@@ -369,6 +369,29 @@ def test_swiglu_combine_rows_batch1_equal_batch8(arch: str, S: int) -> None:
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_addnorm_rows_batch1_equal_batch8(arch: str) -> None:
+    """A layer's start at world size > 1 (the residual add and input norm in the q_a|kv_a GEMM's
+    prologue, ops.gemm_addnorm) at the Kimi shape's tuned configs: one numerics choice for every M,
+    and a token's partials and new residual have the same bits alone and in a batch of 8 (with 64 and
+    128 rows' launch keys too)."""
+    from ops import gemm_addnorm
+
+    g = torch.Generator().manual_seed(12)
+    M, N, K = 8, 48, 160
+    x, res = torch.randn(M, K, generator=g).bfloat16(), (torch.randn(M, K, generator=g) * 4).bfloat16()
+    xw, w = torch.randn(K, generator=g).bfloat16(), (torch.randn(N, K, generator=g) * 0.2).bfloat16()
+    kern = gemm_addnorm.gemm_bf16_addnorm_kernel
+    trim = lambda c: {k: v for k, v in c.items() if k not in ("matrix_instr_nonkdim", "kpack", "waves_per_eu")}  # noqa: E731
+    cfg = {m: trim(invariant_config(kern, {"N": 2112, "K": 7168}, m, None, arch=arch)) for m in (1, 8, 64, 128)}
+    assert len({str(_numerics(c, kern)) for c in cfg.values()}) == 1
+    for t in (0, 5):
+        p1, r1 = gemm_addnorm.gemm_bf16_addnorm(x[t:t + 1], res[t:t + 1], xw, w, 1e-6, config=cfg[1], partials=True)
+        for m in (8, 64, 128):
+            p8, r8 = gemm_addnorm.gemm_bf16_addnorm(x, res, xw, w, 1e-6, config=cfg[m], partials=True)
+            assert torch.equal(p8[:, t], p1[:, 0]) and torch.equal(r8[t], r1[0])
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_swiglu_rank_rows_batch1_equal_batch8(arch: str) -> None:
     """A rank's MoE layer end at world size > 1 (the shared down GEMM with the rank's top-k sum in its
     epilogue) at the Kimi TP8 problem's tuned configs: one numerics choice for every M, and a token's

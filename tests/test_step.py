@@ -383,6 +383,44 @@ def test_tp_step_is_rank0_of_the_parallel_model():
         load_model_config("kimi-k2.5", tp=5)
 
 
+def test_tp_layer_starts_with_the_add_norm_gemm_where_it_pays():
+    """World size > 1: a MoE layer followed by another ends at its all-reduce, and the next layer's
+    q_a|kv_a GEMM adds the residual and norms (gemm_bf16_addnorm: no rmsnorm_add launch) where the
+    tuned files say it pays for every size up to the cache's slots x MAX_Q_LEN rows (batch 1 on
+    gfx942), not for a batch-32 cache (128 rows: the chain), nor with add_norm_in_gemm False."""
+    from bench.meta_model import HostShadowMode, build_model
+    from bench.step import launch_layers, load_model_config, record_step
+
+    cfg = load_model_config("kimi-k2.5", tp=8, layers=3)
+
+    def layer_kernels(batch: int, fold: bool | str) -> dict[int, list[str]]:
+        mode = HostShadowMode()
+        model = build_model(cfg, "w4a8", mode, 8, "tp")
+        model.add_norm_in_gemm = fold
+        rec = record_step(cfg, "w4a8", "gfx942", batch, 8192, 4, model, mode)
+        out: dict[int, list[str]] = {}
+        for r, layer in zip(rec.launches, launch_layers(rec)):
+            out.setdefault(layer, []).append(r.kernel.name)
+        return out
+
+    fold = layer_kernels(1, "auto")      # after the dense layer 0 and after the MoE layer 1
+    assert fold[0][-1] == "gemm_bf16_swiglu" and fold[1][0] == "gemm_bf16_addnorm"
+    assert fold[1][-1] == "gemm_bf16_swiglu_rank" and fold[2][0] == "gemm_bf16_addnorm"
+    assert "rmsnorm_add" not in fold[1] and fold[2][-1] == "rmsnorm_add"   # the last layer: the final norm
+    chain = layer_kernels(1, False)
+    assert chain[1][:2] == chain[2][:2] == ["rmsnorm_add", "gemm_bf16_splitk"]
+    assert sum(map(len, chain.values())) == sum(map(len, fold.values())) + 2
+    wide = layer_kernels(32, "auto")
+    assert wide[1][0] == wide[2][0] == "rmsnorm_add"
+    assert not any("gemm_bf16_addnorm" in names for names in wide.values())
+    # tune-model tunes both paths whichever the recorded step took (the chain's kernels launch elsewhere too)
+    from bench.step import _with_add_norm_path
+
+    assert [(k.name, p) for k, p, _ in _with_add_norm_path([], cfg, 8)] == [("gemm_bf16_addnorm",
+                                                                              {"N": 2112, "K": 7168})]
+    assert _with_add_norm_path([], cfg, 1) == []
+
+
 def test_bench_step_cli_bad_input(capsys):
     from bench.step import main
 

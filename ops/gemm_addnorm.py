@@ -1,0 +1,192 @@
+"""A decoder layer's first GEMM with the residual add and the input RMSNorm in its prologue.
+
+At world size > 1 a layer starts from the all-reduced output of the layer before (`x`, bf16 rows:
+the sum of the ranks) and the residual stream `res`. The two-launch chain is ops.norm.rmsnorm_add
+(res_out = bf16(x + res), y = bf16(rmsnorm(res_out) * w)) then the q_a|kv_a GEMM on y
+(gemm_bf16_splitk). `gemm_bf16_addnorm` runs it as one launch: every program sums and normalizes
+its rows in its prologue (as ops.gemm.gemm_bf16_rmsnorm does for world size 1's f32 rows, the
+rows re-read from L2) and the programs of the first column tile store res_out over their K range.
+One launch and one graph gap fewer per layer; the same expressions and roundings as the chain
+(`res_out` bit for bit; with NORM_K >= K the sum of squares is the chain's single reduction, so on
+the interpreter the output bits equal the chain's too). res_out must not alias `res`: every program
+reads the whole row of `res` while the first column's programs write res_out.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+
+import kdsl as kd
+from ops._common import check_tensor, invariant_config
+from ops.gemm import (BK_DOMAIN, BN_DOMAIN, MMA_ROWS, NORM_BM_DOMAIN, NORM_K_DOMAIN, NORM_SPLIT_SEARCH, SPLIT_K_DOMAIN,
+                      _backend, _mma_rows, gemm_bf16_rmsnorm, splitk_sum_ref)
+from ops.norm import _residual_sum
+
+
+def _residual_squares(x, res, m):
+    """sum(r * r) over K of each real row of the tile `m`, r = bf16(x + res) (rows past M are 0), one
+    row at a time over 1-D NORM_K tiles: the order depends on NORM_K and num_warps only, never on
+    BLOCK_M (ops.gemm._row_squares, reading the residual sum)."""
+    nk = kd.tiles("K", block="NORM_K", domain=NORM_K_DOMAIN, default=256, label="kn")
+
+    def row(r, ss):
+        def squares(k, acc):
+            v = _residual_sum(x, res, r, k).to(kd.f32)
+            return acc + kd.sum(v * v, axis=k)
+
+        return kd.where(m == r, kd.fold(nk, kd.zeros((), kd.f32), squares), ss)
+
+    return kd.fold(kd.indices(kd.minimum(kd.dim("M"), m.start + m.size), start=m.start, label="row"),
+                   kd.zeros((m,), kd.f32), row)
+
+
+@kd.kernel(name="gemm_bf16_addnorm", example={"P": 1, "M": 1, "N": 2112, "K": 7168})
+def gemm_bf16_addnorm_kernel(x: kd.In["M", "K", kd.bf16], res: kd.In["M", "K", kd.bf16], xw: kd.In["K", kd.bf16],
+                             w: kd.In["N", "K", kd.bf16], part: kd.Out["P", "M", "N", kd.f32],
+                             res_out: kd.Out["M", "K", kd.bf16], eps: kd.Scalar[kd.f32]):
+    """part[p] = bf16(rmsnorm(r) * xw)[:, Kp] @ w[:, Kp]^T in f32 over the K range Kp of output split
+    p (gemm_bf16_splitk's ranges), r = bf16(x + res); res_out = r, stored by the programs of the
+    first column tile for their K range. Each program sums its real rows' squares over all of K
+    (a row at a time: BLOCK_M is a launch-only key, rows sit at their own place of the aligned 16 of
+    the matrix dot), then scales each A tile by rstd * xw and rounds it to bf16 before the dot:
+    rmsnorm_add's expressions."""
+    kd.tunable("SPLIT_K", SPLIT_K_DOMAIN, 1, "output splits along K (the P dim of part): more programs",
+               search=NORM_SPLIT_SEARCH)
+    m, n, p = kd.grid(kd.tile("M", "BLOCK_M", domain=NORM_BM_DOMAIN, default=16),
+                      kd.tile("N", "BLOCK_N", domain=BN_DOMAIN, default=64), kd.each("P"))
+    small = m.size < MMA_ROWS
+    mm, place = _mma_rows(m) if small else (m, 0)
+    rstd = kd.rsqrt(_residual_squares(x, res, m) / kd.dim("K") + eps)
+    first = n.start < 1
+
+    def body(k, acc):
+        r = _residual_sum(x, res, m, k)
+        kd.store(res_out, (m, k), r, mask=first)
+        a = (r.to(kd.f32) * rstd * xw[k].to(kd.f32)).to(kd.bf16)
+        return acc + kd.dot(kd.pad(a, m, mm, offset=place) if small else a, w[n, k])
+
+    bk = kd.tunable("BLOCK_K", BK_DOMAIN, 64)
+    K = kd.dim("K")
+    ks = kd.cdiv(kd.cdiv(K, kd.dim("P")), bk) * bk
+    k0 = p * ks
+    span = kd.tiles(start=k0, stop=kd.minimum(K, k0 + ks), block="BLOCK_K", domain=BK_DOMAIN, default=64, label="K")
+    acc = kd.fold(span, kd.zeros((mm, n), kd.f32), body)
+    if small:
+        kd.store(part, (p, mm, n), acc, mask=m.start <= mm)
+    else:
+        part[p, mm, n] = acc
+
+
+def residual_sum_ref(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+    """bf16(x + res), one f32 add rounded once (ops.norm.rmsnorm_add's res_out)."""
+    return (x.float() + res.float()).to(torch.bfloat16)
+
+
+def gemm_bf16_addnorm(x: torch.Tensor, res: torch.Tensor, x_norm_w: torch.Tensor, w: torch.Tensor, eps: float,
+                      backend: str = "triton", config: dict | None = None, invariant: bool = True,
+                      partials: bool = False, res_out: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16(rmsnorm(r) * x_norm_w) @ w^T, r) with r = bf16(x + res), in one launch: x, res bf16
+    [M, K] (any row stride, contiguous last dim), w [N, K]. The GEMM is written as f32 partials over
+    the tuned SPLIT_K ranges of K; `partials=True` returns them ([SPLIT_K, M, N], for consumers that
+    add them in split order, as gemm_bf16_rmsnorm's), else their bf16 sum [M, N]. `res_out`: where r
+    goes (bf16 [M, K], contiguous, not overlapping `res`; default a new tensor). The torch backend
+    computes r, then gemm_bf16_rmsnorm's torch path on it. `invariant` (default): the M=1 entry's
+    numerics keys at every M."""
+    name = "gemm_bf16_addnorm"
+    _backend(name, backend)
+    check_tensor(name, "x", x, 2, (torch.bfloat16,), last_contiguous=True)
+    check_tensor(name, "res", res, 2, (torch.bfloat16,), x.device, last_contiguous=True)
+    check_tensor(name, "w", w, 2, (torch.bfloat16,), x.device, last_contiguous=True)
+    check_tensor(name, "x_norm_w", x_norm_w, 1, (torch.bfloat16,), x.device, contiguous=True)
+    M, K = x.shape
+    N = w.shape[0]
+    if res.shape != x.shape:
+        raise ValueError(f"{name}: res must have x's shape {tuple(x.shape)}, got {tuple(res.shape)}")
+    if w.shape[1] != K or N < 1 or K < 1:
+        raise ValueError(f"{name}: w must be [N >= 1, K={K}] with K >= 1, got {tuple(w.shape)}")
+    if x_norm_w.shape[0] != K:
+        raise ValueError(f"{name}: x_norm_w must be [K={K}], got {tuple(x_norm_w.shape)}")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{name}: eps must be a finite number >= 0, got {eps!r}")
+    if res_out is None:
+        res_out = torch.empty(M, K, dtype=torch.bfloat16, device=x.device)
+    else:
+        check_tensor(name, "res_out", res_out, 2, (torch.bfloat16,), x.device, contiguous=True)
+        if res_out.shape != x.shape:
+            raise ValueError(f"{name}: res_out must be [M={M}, K={K}], got {tuple(res_out.shape)}")
+        if M and _overlaps(res_out, res):
+            raise ValueError(f"{name}: res_out must not overlap res (every program reads the whole residual row)")
+    config = addnorm_config(M, N, K, config, invariant)
+    if backend == "torch":
+        res_out.copy_(residual_sum_ref(x, res))
+        return gemm_bf16_rmsnorm(res_out, x_norm_w, w, eps, backend="torch", config=config,
+                                 partials=partials), res_out
+    splits = int(config.get("SPLIT_K", 1))
+    if splits not in SPLIT_K_DOMAIN:
+        raise ValueError(f"{name}: SPLIT_K must be one of {SPLIT_K_DOMAIN}, got {splits!r}")
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    if M:
+        gemm_bf16_addnorm_kernel(x, res, x_norm_w, w, part, res_out, float(eps), config=config)
+    return (part if partials else splitk_sum_ref(part)), res_out
+
+
+def addnorm_config(M: int, N: int, K: int, config: dict | None = None, invariant: bool = True) -> dict[str, Any]:
+    """gemm_bf16_addnorm's config at (N, K): the M=1 entry's numerics keys at every M (`invariant`),
+    launch keys from M's bucket; or M's own entry."""
+    if invariant or config is not None:
+        return invariant_config(gemm_bf16_addnorm_kernel, {"N": N, "K": K}, M, config)
+    from autotune import lookup_config
+
+    return lookup_config(gemm_bf16_addnorm_kernel, kd.current_target().name, {"N": N, "K": K}, max(M, 1))
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the [M, K] row blocks a and b share an address (meta tensors have none)."""
+    if a.device.type == "meta" or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    sa, sb = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
+    ea = sa + ((a.shape[0] - 1) * a.stride(0) + a.shape[1]) * a.element_size()
+    eb = sb + ((b.shape[0] - 1) * b.stride(0) + b.shape[1]) * b.element_size()
+    return sa < eb and sb < ea
+
+
+@functools.lru_cache(maxsize=None)
+def _pays_at(arch: str, N: int, K: int, bucket: int) -> bool:
+    """The tuned files' figures at one bucket: the fused launch against rmsnorm_add + the launch gap +
+    gemm_bf16_splitk (the chain it replaces)."""
+    from autotune.costmodel import launch_gap_us
+    from ops.gemm import gemm_bf16_splitk_kernel
+    from ops.norm import rmsnorm_add
+    from ops.splitk_norm import _figure
+
+    fused = _figure(gemm_bf16_addnorm_kernel, arch, {"N": N, "K": K}, bucket)
+    gemm = _figure(gemm_bf16_splitk_kernel, arch, {"N": N, "K": K}, bucket)
+    norm = _figure(rmsnorm_add, arch, {"D": K}, bucket)
+    if fused is None or gemm is None or norm is None:
+        return False
+    return fused < gemm + norm + launch_gap_us(arch)
+
+
+def addnorm_pays(arch: str, N: int, K: int, rows: int) -> bool:
+    """Whether a model whose decode and verify steps run at most `rows` rows (its cache's slots x
+    the verify q_len, at most ops.splitk_norm.FUSED_SPAN) takes gemm_bf16_addnorm for every launch of
+    up to `rows` rows, by the tuned files (a host lookup on shapes): True only if it is predicted
+    faster than the chain at EVERY bucket up to `rows`. One answer for all of them: the fused
+    prologue sums a row's squares in its own order (NORM_K, num_warps), not rmsnorm_add's, so a
+    decode row and its verify row must take the same path. Every program re-reads its rows, so the
+    fused launch loses at large M (a batch-32 verify): a deployment with that many rows keeps the
+    chain. No files (the interpreter): False."""
+    from autotune.buckets import LADDER
+    from ops.splitk_norm import FUSED_SPAN
+
+    if rows < 1 or rows > FUSED_SPAN:
+        return False
+    top = next(b for b in LADDER if b >= rows)
+    return all(_pays_at(arch, N, K, b) for b in LADDER if b <= top)
+
+
+KERNELS = (gemm_bf16_addnorm_kernel,)

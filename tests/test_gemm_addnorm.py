@@ -1,0 +1,132 @@
+"""gemm_bf16_addnorm (ops/gemm_addnorm.py): a layer's q_a|kv_a GEMM at world size > 1 with the
+residual add (bf16(x + res), stored as res_out) and the input RMSNorm in its prologue.
+
+Tolerances: res_out is rmsnorm_add's bit for bit; with NORM_K >= K (one sum-of-squares reduction,
+rmsnorm_add's) the partials are bit for bit those of rmsnorm_add then gemm_bf16_rmsnorm's GEMM over
+the normed rows (the interpreter); with a smaller NORM_K the sum order differs, so a normed element
+may move by one bf16 ulp: against the float64 reference, |err| <= 2^-7 x (|y| @ |w|^T) per partial."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ops import gemm as G
+from ops import gemm_addnorm as A
+from ops.norm import rms_norm, rmsnorm_ref
+from tests.conftest import poisoned
+
+
+def _case(M, N, K, seed, pad=6):
+    """x and res as row views of wider buffers (the kernel's operands may be strided)."""
+    g = torch.Generator().manual_seed(seed)
+    xb = (torch.randn(M, K + pad, generator=g) * 2.0).bfloat16()
+    rb = (torch.randn(M, K + pad, generator=g) * 3.0).bfloat16()
+    xw = torch.randn(K, generator=g).bfloat16()
+    w = (torch.randn(N, K, generator=g) * 0.2).bfloat16()
+    return xb[:, :K], rb[:, pad:], xw, w
+
+
+def _launch(x, res, xw, w, cfg):
+    """The kernel into views of bigger poisoned buffers -> (partials, res_out); checks that nothing
+    around them was written."""
+    M, K = x.shape
+    P, N = cfg.get("SPLIT_K", 1), w.shape[0]
+    pbuf = poisoned((P + 1, M + 2, N + 8), torch.float32)
+    rbuf = poisoned((M + 2, K + 8), torch.bfloat16)
+    part, r_out = pbuf[:P, :M, :N], rbuf[:M, :K]
+    A.gemm_bf16_addnorm_kernel(x, res, xw, w, part, r_out, 1e-6, config=cfg)
+    assert not part.isnan().any() and not r_out.isnan().any()
+    assert pbuf[P:].isnan().all() and pbuf[:, M:].isnan().all() and pbuf[:, :, N:].isnan().all()
+    assert rbuf[M:].isnan().all() and rbuf[:, K:].isnan().all()
+    return part, r_out
+
+
+@pytest.mark.parametrize("M,N,K,cfg", [
+    (1, 40, 96, {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 128, "SPLIT_K": 1}),
+    (3, 48, 160, {"BLOCK_M": 2, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 256, "SPLIT_K": 3}),
+    (5, 32, 96, {"BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 64, "NORM_K": 128, "SPLIT_K": 2}),
+    (18, 40, 96, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 128, "SPLIT_K": 4}),
+])
+def test_equals_rmsnorm_add_then_gemm_bit_for_bit(M, N, K, cfg):
+    """NORM_K >= K: res_out is rmsnorm_add's residual and the partials are gemm_bf16_rmsnorm's over
+    that residual (whose prologue norms as rmsnorm_add does), bit for bit, at any output split;
+    within the bound of the float64 reference."""
+    x, res, xw, w = _case(M, N, K, seed=M * 10 + N)
+    part, r_out = _launch(x, res, xw, w, cfg)
+    y, r_chain = rms_norm(x, xw, 1e-6, residual=res, backend="triton")
+    assert torch.equal(r_out.view(torch.int16), r_chain.view(torch.int16))
+    chain = G.gemm_bf16_rmsnorm(r_chain, xw, w, 1e-6, config={**cfg, "ROW_SQUARES": 1}, partials=True)
+    assert torch.equal(part, chain)
+    yr = rmsnorm_ref(A.residual_sum_ref(x, res), xw, 1e-6).double()
+    assert torch.equal(y, yr.bfloat16())
+    for p, (a, b) in enumerate(G.splitk_bounds(K, cfg["SPLIT_K"], cfg["BLOCK_K"])):
+        ref = yr[:, a:b] @ w[:, a:b].double().T
+        assert ((part[p].double() - ref).abs() <= 2.0 ** -7 * (yr[:, a:b].abs() @ w[:, a:b].double().abs().T)).all()
+
+
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_block_m_changes_no_bit(M):
+    """BLOCK_M is a launch-only key: the same bits at 1, 2, 4, 8, 16 rows a tile (NORM_K < K:
+    several tiles per row's squares), within the bound of the float64 reference."""
+    N, K = 32, 200
+    x, res, xw, w = _case(M, N, K, seed=70 + M)
+    base = {"BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 64, "SPLIT_K": 2}
+    outs = [_launch(x, res, xw, w, {**base, "BLOCK_M": bm}) for bm in (1, 2, 4, 8, 16)]
+    for part, r_out in outs[1:]:
+        assert torch.equal(part, outs[0][0]) and torch.equal(r_out, outs[0][1])
+    yr = rmsnorm_ref(A.residual_sum_ref(x, res), xw, 1e-6).double()
+    for p, (a, b) in enumerate(G.splitk_bounds(K, 2, 32)):
+        ref = yr[:, a:b] @ w[:, a:b].double().T
+        assert ((outs[0][0][p].double() - ref).abs() <= 2.0 ** -7 * (yr[:, a:b].abs() @ w[:, a:b].double().abs().T)).all()
+
+
+def test_wrapper_backends_and_checks():
+    M, N, K = 3, 24, 64
+    x, res, xw, w = _case(M, N, K, seed=5)
+    cfg = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 64, "SPLIT_K": 2}
+    y, r = A.gemm_bf16_addnorm(x, res, xw, w, 1e-6, config=cfg)
+    part, r2 = A.gemm_bf16_addnorm(x, res, xw, w, 1e-6, config=cfg, partials=True)
+    assert y.shape == (M, N) and torch.equal(y, G.splitk_sum_ref(part)) and torch.equal(r, r2)
+    assert torch.equal(r, A.residual_sum_ref(x, res))
+    tp, tr = A.gemm_bf16_addnorm(x, res, xw, w, 1e-6, config=cfg, partials=True, backend="torch")
+    assert tp.shape == part.shape and torch.equal(tr, r)
+    ref = G.gemm_bf16_rmsnorm_ref(A.residual_sum_ref(x, res), xw, w, 1e-6)
+    assert torch.equal(A.gemm_bf16_addnorm(x, res, xw, w, 1e-6, backend="torch")[0], ref)
+    out = torch.empty(M, K, dtype=torch.bfloat16)
+    assert A.gemm_bf16_addnorm(x, res, xw, w, 1e-6, config=cfg, res_out=out)[1] is out and torch.equal(out, r)
+    e = A.gemm_bf16_addnorm(x[:0], res[:0], xw, w, 1e-6, config=cfg)
+    assert e[0].shape == (0, N) and e[1].shape == (0, K)
+    buf = res.contiguous()
+    with pytest.raises(ValueError, match="must not overlap res"):
+        A.gemm_bf16_addnorm(x, buf, xw, w, 1e-6, config=cfg, res_out=buf)
+    with pytest.raises(ValueError, match="res must have x's shape"):
+        A.gemm_bf16_addnorm(x, res[:2], xw, w, 1e-6)
+    with pytest.raises(ValueError, match="x_norm_w must be"):
+        A.gemm_bf16_addnorm(x, res, xw[:32], w, 1e-6)
+    with pytest.raises(ValueError, match="w must be"):
+        A.gemm_bf16_addnorm(x, res, xw, w[:, :32], 1e-6)
+    with pytest.raises(ValueError, match="eps must be"):
+        A.gemm_bf16_addnorm(x, res, xw, w, float("nan"))
+    with pytest.raises(ValueError, match="res_out must be"):
+        A.gemm_bf16_addnorm(x, res, xw, w, 1e-6, res_out=torch.empty(M, K + 1, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="res must be bfloat16"):
+        A.gemm_bf16_addnorm(x, res.float(), xw, w, 1e-6)
+    with pytest.raises(ValueError, match="backend"):
+        A.gemm_bf16_addnorm(x, res, xw, w, 1e-6, backend="cuda")
+
+
+def test_pays_only_where_every_bucket_pays():
+    """The model's rule (addnorm_pays): by the tuned files, one answer for every size up to a
+    deployment's rows; False past FUSED_SPAN, for no rows, and without files."""
+    from ops.splitk_norm import FUSED_SPAN
+
+    for arch in ("gfx942", "gfx950"):
+        assert A.addnorm_pays(arch, 2112, 7168, 8)                       # batch 2 verify: it pays
+        assert not A.addnorm_pays(arch, 2112, 7168, 0)
+        assert not A.addnorm_pays(arch, 2112, 7168, FUSED_SPAN + 1)
+        # the answer for r rows is the AND of the per-bucket answers up to r's bucket
+        for r in (1, 3, 16, 48, 128):
+            top = 1 << (r - 1).bit_length()
+            assert A.addnorm_pays(arch, 2112, 7168, r) == all(A._pays_at(arch, 2112, 7168, b)
+                                                              for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= top)
+    assert not A.addnorm_pays("gfx942", 2112, 7168 + 1, 8)               # no file for the shape
