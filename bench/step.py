@@ -130,22 +130,27 @@ def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: i
     read their files). The smallest M matters for decode attention: at q_len 4, M = batch x 4."""
     probs = _with_o_proj_tail_paths(_with_stage2_quant_paths(
         _recorded(cfg, experts, arch, q_lens, batch, ctx, tp, moe_parallel, per_sequence=True)), arch)
-    return _ep_scored(cfg, tp, moe_parallel, _with_add_norm_path(probs, cfg, tp))
+    return _ep_scored(cfg, tp, moe_parallel, _with_add_norm_paths(probs, cfg, tp, experts))
 
 
-def _with_add_norm_path(probs: list[tuple[Any, dict[str, Any], int]], cfg: Any, tp: int
-                        ) -> list[tuple[Any, dict[str, Any], int]]:
-    """`probs` plus gemm_bf16_addnorm at the q_a|kv_a shape at world size > 1: the model takes it
-    or the chain (rmsnorm_add + gemm_bf16_splitk, both also launched elsewhere in the step) from
-    the files of both (`ops.gemm_addnorm.addnorm_pays`), so a step recorded before its file
-    exists (the chain) must still get it tuned."""
-    from ops.gemm_addnorm import gemm_bf16_addnorm_kernel
+def _with_add_norm_paths(probs: list[tuple[Any, dict[str, Any], int]], cfg: Any, tp: int, experts: str
+                         ) -> list[tuple[Any, dict[str, Any], int]]:
+    """`probs` plus, at world size > 1, gemm_bf16_addnorm at the q_a|kv_a shape and (experts that
+    read bf16 rows) gemm_bf16_addnorm_y at the shared gate|up + router shape (2 x the shared
+    intermediate / tp + the routed experts): the model takes them or the chains (rmsnorm_add +
+    gemm_bf16_splitk, also launched elsewhere in the step) from the files of both
+    (`ops.gemm_addnorm.addnorm_pays`), so a step recorded before their files exist (the chains)
+    must still get them tuned."""
+    from ops.gemm_addnorm import KERNELS
 
-    if tp <= 1 or not cfg.q_lora_rank:
+    if tp <= 1:
         return probs
     out, add = _extendable(probs)
-    add(gemm_bf16_addnorm_kernel, {"N": cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                                   "K": cfg.hidden_size}, 1)
+    if cfg.q_lora_rank:
+        add(KERNELS[0], {"N": cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim, "K": cfg.hidden_size}, 1)
+    if experts not in ("w4a8", "mxfp4") and cfg.n_routed_experts and cfg.n_shared_experts:
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts // tp
+        add(KERNELS[1], {"N": 2 * shared + cfg.n_routed_experts, "K": cfg.hidden_size}, 1)
     return out
 
 

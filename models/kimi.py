@@ -223,8 +223,20 @@ class _MoE:
             return ids.contiguous(), w.contiguous()
         return ids.contiguous(), w.contiguous(), (tuple(aligned) if aligned else None)
 
-    def fused_block(self, a: torch.Tensor, h: torch.Tensor, n2: RMSNorm, nxt: RMSNorm, raw_next: bool = False
-                    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    @property
+    def add_norm_shape(self) -> Optional[tuple[int, int]]:
+        """(N, K) of the shared gate|up + router GEMM where `fused_block` can run the post-attention
+        residual add and norm in its prologue at world size > 1 (gemm_bf16_addnorm_y: a split-K
+        shared expert and experts that read bf16 rows, not W4A8's int8), else None."""
+        from ops.moe import MoEWeights
+
+        if self.backend != "triton" or self.gate_shared is None or not isinstance(self.experts, MoEWeights) \
+                or self.experts.fmt == "w4a8" or self.comm.world == 1:
+            return None
+        return tuple(self.gate_shared.shape)
+
+    def fused_block(self, a: torch.Tensor, h: torch.Tensor, n2: RMSNorm, nxt: RMSNorm, raw_next: bool = False,
+                    add_first: bool = False) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """The MoE half of a decoder layer on triton, from the (all-reduced) attention output `a` (at
         world size 1 o_proj's split-K partials, which the first norm adds) and the residual stream `h`
         (only read) to (the next norm's output, the new residual stream):
@@ -245,23 +257,32 @@ class _MoE:
         launch, not two, with the same bits; at world size > 1 so does combine_rank
         (ops.swiglu.gemm_bf16_swiglu_rank). `raw_next` at world size > 1: the layer ends with the
         all-reduce and returns (its bf16 rows, the post-attention residual): the next attention's
-        first GEMM adds them and norms (ops.gemm_addnorm), no rmsnorm_add launch."""
+        first GEMM adds them and norms (ops.gemm_addnorm), no rmsnorm_add launch. `add_first` (world
+        size > 1, where `add_norm_shape`): the post-attention add and norm run in the prologue of
+        the shared gate|up + router GEMM (gemm_bf16_addnorm_y, which also stores the normed rows the
+        routed experts read), no rmsnorm_add launch either."""
         from ops.moe import MoEWeights, combine_add, combine_norm, combine_rank, expert_block_m, fused_experts
 
         if self.backend != "triton" or not isinstance(self.experts, MoEWeights) or h.dtype != torch.bfloat16 \
                 or not h.is_contiguous():
             return None
-        if self.experts.fmt == "w4a8":
+        both = xq = None
+        if add_first and self.add_norm_shape is not None:   # the add and norm in the GEMM's prologue
+            from ops.gemm_addnorm import gemm_bf16_addnorm
+
+            both, h, x = gemm_bf16_addnorm(a.to(torch.bfloat16).contiguous(), h, n2.w, self.gate_shared, n2.eps,
+                                           partials=True, normed=True)
+        elif self.experts.fmt == "w4a8":
             x8, xs, x, h = n2.add_norm_quant(a, h)
             xq = (x8, xs)
         else:
             x, h = n2.add_norm(a, h)
-            xq = None
         logits = shared_part = None
         if self.gate_shared is not None:        # shared gate|up and router rows: one split-K GEMM
             from ops.gemm import gemm_bf16_splitk
 
-            both = gemm_bf16_splitk(x, self.gate_shared, backend="triton")     # [S, T, 2I + E] f32
+            if both is None:
+                both = gemm_bf16_splitk(x, self.gate_shared, backend="triton")     # [S, T, 2I + E] f32
             n_gu = self.gate_shared.shape[0] - self.gate.shape[0]
             shared_part, logits = both[..., :n_gu], both[..., n_gu:]
         ids, w, aligned = self._routed_ids(x, block_m=expert_block_m(self.experts, self.moe_cfg.top_k, x.shape[0]),
@@ -557,9 +578,10 @@ class KimiModel:
         # and verify size (ops.splitk_norm.fused_pays), True always (up to the counters' rows), False never
         self.o_proj_norm = "auto"
         self.o_proj_counters = None       # its ticket counters: allocated once, below (triton, world size 1)
-        # world size > 1: the next layer's residual add and input norm run in its q_a|kv_a GEMM's
-        # prologue (ops.gemm_addnorm, one launch fewer): "auto" where the tuned files say it pays at every
-        # size up to the cache's slots x MAX_Q_LEN rows (ops.gemm_addnorm.addnorm_pays), True, False
+        # world size > 1: the residual adds and norms after the all-reduces run in the prologue of the
+        # GEMM that reads the normed rows (the next q_a|kv_a; with experts that read bf16 rows also the
+        # shared gate|up + router) (ops.gemm_addnorm, one launch fewer each): "auto" where the tuned files
+        # say it pays at every size up to the cache's slots x MAX_Q_LEN rows (addnorm_pays), True, False
         self.add_norm_in_gemm: bool | str = "auto"
         self.capture_ids = tuple(capture_ids) if capture_ids is not None else cfg.capture_layer_ids
         for i in self.capture_ids:
@@ -641,9 +663,12 @@ class KimiModel:
             nxt = self.layers[i + 1][0] if i + 1 < N else self.norm
             fused = getattr(mlp, "fused_block", None) if fuse else None   # the MoE layers (_MoE)
             # the next attention may norm its input rows itself (no norm at the MoE end)
-            raw = self.norm_in_gemm and i + 1 < N and getattr(self.layers[i + 1][1], "takes_raw_rows", False) and \
-                (self.comm.world == 1 or self._add_norm_in_gemm(self.layers[i + 1][1], cache, h.shape[0]))
-            done = fused(a, h, n2, nxt, raw_next=raw) if fused is not None else None
+            nxt_attn = self.layers[i + 1][1] if i + 1 < N else None
+            raw = self.norm_in_gemm and getattr(nxt_attn, "takes_raw_rows", False) and \
+                (self.comm.world == 1 or self._add_norm_in_gemm(nxt_attn.qkv_a_shape, cache, h.shape[0]))
+            first = getattr(mlp, "add_norm_shape", None) if fused is not None else None
+            add_first = first is not None and self._add_norm_in_gemm(first, cache, h.shape[0], normed=True)
+            done = fused(a, h, n2, nxt, raw_next=raw, add_first=add_first) if fused is not None else None
             x_norm = nxt if done is not None and raw else None
             if done is not None:                          # MoE half + next norm (or f32 rows), the new residual
                 x, h = done
@@ -661,10 +686,12 @@ class KimiModel:
         aux = torch.cat([caps[i] for i in self.capture_ids], -1).view(B, QL, -1) if self.capture_ids else None
         return StepOutput(logits, aux, h)
 
-    def _add_norm_in_gemm(self, attn: "_MLA", cache: LatentCache, rows: int) -> bool:
-        """World size > 1: whether the layer before `attn` ends at its all-reduce and attn's first
-        GEMM adds the residual and norms (`add_norm_in_gemm`; "auto": ops.gemm_addnorm.addnorm_pays for
-        the most rows this cache's decode and verify steps run, and `rows` within them)."""
+    def _add_norm_in_gemm(self, shape: tuple[int, int], cache: LatentCache, rows: int, normed: bool = False
+                          ) -> bool:
+        """World size > 1: whether a residual add and norm after an all-reduce run in the prologue of
+        the GEMM of weight `shape` that reads the normed rows (`add_norm_in_gemm`; "auto":
+        ops.gemm_addnorm.addnorm_pays for the most rows this cache's decode and verify steps run, and
+        `rows` within them; `normed`: the variant that stores the normed rows too)."""
         if self.add_norm_in_gemm != "auto":
             return bool(self.add_norm_in_gemm)
         from kdsl.targets import current_target
@@ -672,7 +699,7 @@ class KimiModel:
         from ops.mla import MAX_Q_LEN
 
         span = cache.table.batch * MAX_Q_LEN
-        return rows <= span and addnorm_pays(current_target().name, *attn.qkv_a_shape, span)
+        return rows <= span and addnorm_pays(current_target().name, *shape, span, normed)
 
     def _o_proj_partials(self, fuse: bool) -> bool | NormTail:
         """What the attention returns at world size 1: o_proj as a PendingGemm that the next norm

@@ -1,4 +1,4 @@
-"""A decoder layer's first GEMM with the residual add and the input RMSNorm in its prologue.
+"""A GEMM with the residual add and the RMSNorm before it in its prologue (world size > 1).
 
 At world size > 1 a layer starts from the all-reduced output of the layer before (`x`, bf16 rows:
 the sum of the ranks) and the residual stream `res`. The two-launch chain is ops.norm.rmsnorm_add
@@ -10,6 +10,9 @@ One launch and one graph gap fewer per layer; the same expressions and roundings
 (`res_out` bit for bit; with NORM_K >= K the sum of squares is the chain's single reduction, so on
 the interpreter the output bits equal the chain's too). res_out must not alias `res`: every program
 reads the whole row of `res` while the first column's programs write res_out.
+`gemm_bf16_addnorm_y` does the same for the MoE half's first GEMM (the shared expert's gate|up and
+the router, after the attention's all-reduce) and also stores the normed rows y (rmsnorm_add's
+`out`), the routed experts' input.
 """
 from __future__ import annotations
 
@@ -43,16 +46,13 @@ def _residual_squares(x, res, m):
                    kd.zeros((m,), kd.f32), row)
 
 
-@kd.kernel(name="gemm_bf16_addnorm", example={"P": 1, "M": 1, "N": 2112, "K": 7168})
-def gemm_bf16_addnorm_kernel(x: kd.In["M", "K", kd.bf16], res: kd.In["M", "K", kd.bf16], xw: kd.In["K", kd.bf16],
-                             w: kd.In["N", "K", kd.bf16], part: kd.Out["P", "M", "N", kd.f32],
-                             res_out: kd.Out["M", "K", kd.bf16], eps: kd.Scalar[kd.f32]):
-    """part[p] = bf16(rmsnorm(r) * xw)[:, Kp] @ w[:, Kp]^T in f32 over the K range Kp of output split
-    p (gemm_bf16_splitk's ranges), r = bf16(x + res); res_out = r, stored by the programs of the
-    first column tile for their K range. Each program sums its real rows' squares over all of K
-    (a row at a time: BLOCK_M is a launch-only key, rows sit at their own place of the aligned 16 of
-    the matrix dot), then scales each A tile by rstd * xw and rounds it to bf16 before the dot:
-    rmsnorm_add's expressions."""
+def _addnorm_gemm(x, res, xw, w, part, res_out, eps, y=None):
+    """The kernels' body: part[p] = bf16(rmsnorm(r) * xw)[:, Kp] @ w[:, Kp]^T in f32 over the K range
+    Kp of output split p (gemm_bf16_splitk's ranges), r = bf16(x + res); res_out = r (and y = the
+    normed bf16 rows), stored by the programs of the first column tile for their K range. Each
+    program sums its real rows' squares over all of K (a row at a time: BLOCK_M is a launch-only key,
+    rows sit at their own place of the aligned 16 of the matrix dot), then scales each A tile by
+    rstd * xw and rounds it to bf16 before the dot: rmsnorm_add's expressions."""
     kd.tunable("SPLIT_K", SPLIT_K_DOMAIN, 1, "output splits along K (the P dim of part): more programs",
                search=NORM_SPLIT_SEARCH)
     m, n, p = kd.grid(kd.tile("M", "BLOCK_M", domain=NORM_BM_DOMAIN, default=16),
@@ -66,6 +66,8 @@ def gemm_bf16_addnorm_kernel(x: kd.In["M", "K", kd.bf16], res: kd.In["M", "K", k
         r = _residual_sum(x, res, m, k)
         kd.store(res_out, (m, k), r, mask=first)
         a = (r.to(kd.f32) * rstd * xw[k].to(kd.f32)).to(kd.bf16)
+        if y is not None:
+            kd.store(y, (m, k), a, mask=first)
         return acc + kd.dot(kd.pad(a, m, mm, offset=place) if small else a, w[n, k])
 
     bk = kd.tunable("BLOCK_K", BK_DOMAIN, 64)
@@ -80,6 +82,26 @@ def gemm_bf16_addnorm_kernel(x: kd.In["M", "K", kd.bf16], res: kd.In["M", "K", k
         part[p, mm, n] = acc
 
 
+@kd.kernel(name="gemm_bf16_addnorm", example={"P": 1, "M": 1, "N": 2112, "K": 7168})
+def gemm_bf16_addnorm_kernel(x: kd.In["M", "K", kd.bf16], res: kd.In["M", "K", kd.bf16], xw: kd.In["K", kd.bf16],
+                             w: kd.In["N", "K", kd.bf16], part: kd.Out["P", "M", "N", kd.f32],
+                             res_out: kd.Out["M", "K", kd.bf16], eps: kd.Scalar[kd.f32]):
+    """A layer's first GEMM (q_a|kv_a) over bf16(rmsnorm(x + res) * xw), the new residual stored
+    (`_addnorm_gemm`)."""
+    _addnorm_gemm(x, res, xw, w, part, res_out, eps)
+
+
+@kd.kernel(name="gemm_bf16_addnorm_y", example={"P": 1, "M": 1, "N": 896, "K": 7168})
+def gemm_bf16_addnorm_y_kernel(x: kd.In["M", "K", kd.bf16], res: kd.In["M", "K", kd.bf16], xw: kd.In["K", kd.bf16],
+                               w: kd.In["N", "K", kd.bf16], part: kd.Out["P", "M", "N", kd.f32],
+                               res_out: kd.Out["M", "K", kd.bf16], y: kd.Out["M", "K", kd.bf16],
+                               eps: kd.Scalar[kd.f32]):
+    """The MoE half's first GEMM (the shared expert's gate|up and the router) over the post-attention
+    norm, storing the new residual and the normed rows y (the routed experts' input) too
+    (`_addnorm_gemm`)."""
+    _addnorm_gemm(x, res, xw, w, part, res_out, eps, y)
+
+
 def residual_sum_ref(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
     """bf16(x + res), one f32 add rounded once (ops.norm.rmsnorm_add's res_out)."""
     return (x.float() + res.float()).to(torch.bfloat16)
@@ -87,15 +109,16 @@ def residual_sum_ref(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
 
 def gemm_bf16_addnorm(x: torch.Tensor, res: torch.Tensor, x_norm_w: torch.Tensor, w: torch.Tensor, eps: float,
                       backend: str = "triton", config: dict | None = None, invariant: bool = True,
-                      partials: bool = False, res_out: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      partials: bool = False, res_out: torch.Tensor | None = None, normed: bool = False
+                      ) -> tuple[torch.Tensor, ...]:
     """(bf16(rmsnorm(r) * x_norm_w) @ w^T, r) with r = bf16(x + res), in one launch: x, res bf16
     [M, K] (any row stride, contiguous last dim), w [N, K]. The GEMM is written as f32 partials over
     the tuned SPLIT_K ranges of K; `partials=True` returns them ([SPLIT_K, M, N], for consumers that
     add them in split order, as gemm_bf16_rmsnorm's), else their bf16 sum [M, N]. `res_out`: where r
     goes (bf16 [M, K], contiguous, not overlapping `res`; default a new tensor). The torch backend
     computes r, then gemm_bf16_rmsnorm's torch path on it. `invariant` (default): the M=1 entry's
-    numerics keys at every M."""
+    numerics keys at every M. `normed` (gemm_bf16_addnorm_y): also returns the normed rows
+    bf16(rmsnorm(r) * x_norm_w) [M, K] (rmsnorm_add's `out`), a third element."""
     name = "gemm_bf16_addnorm"
     _backend(name, backend)
     check_tensor(name, "x", x, 2, (torch.bfloat16,), last_contiguous=True)
@@ -120,28 +143,35 @@ def gemm_bf16_addnorm(x: torch.Tensor, res: torch.Tensor, x_norm_w: torch.Tensor
             raise ValueError(f"{name}: res_out must be [M={M}, K={K}], got {tuple(res_out.shape)}")
         if M and _overlaps(res_out, res):
             raise ValueError(f"{name}: res_out must not overlap res (every program reads the whole residual row)")
-    config = addnorm_config(M, N, K, config, invariant)
+    kern = KERNELS[bool(normed)]
+    config = addnorm_config(M, N, K, config, invariant, kern)
     if backend == "torch":
+        from ops.norm import rmsnorm_ref
+
         res_out.copy_(residual_sum_ref(x, res))
-        return gemm_bf16_rmsnorm(res_out, x_norm_w, w, eps, backend="torch", config=config,
-                                 partials=partials), res_out
+        gemm = gemm_bf16_rmsnorm(res_out, x_norm_w, w, eps, backend="torch", config=config, partials=partials)
+        return (gemm, res_out, rmsnorm_ref(res_out, x_norm_w, eps)) if normed else (gemm, res_out)
     splits = int(config.get("SPLIT_K", 1))
     if splits not in SPLIT_K_DOMAIN:
         raise ValueError(f"{name}: SPLIT_K must be one of {SPLIT_K_DOMAIN}, got {splits!r}")
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    y = torch.empty(M, K, dtype=torch.bfloat16, device=x.device) if normed else None
     if M:
-        gemm_bf16_addnorm_kernel(x, res, x_norm_w, w, part, res_out, float(eps), config=config)
-    return (part if partials else splitk_sum_ref(part)), res_out
+        kern(x, res, x_norm_w, w, part, res_out, *((y,) if normed else ()), float(eps), config=config)
+    gemm = part if partials else splitk_sum_ref(part)
+    return (gemm, res_out, y) if normed else (gemm, res_out)
 
 
-def addnorm_config(M: int, N: int, K: int, config: dict | None = None, invariant: bool = True) -> dict[str, Any]:
-    """gemm_bf16_addnorm's config at (N, K): the M=1 entry's numerics keys at every M (`invariant`),
-    launch keys from M's bucket; or M's own entry."""
+def addnorm_config(M: int, N: int, K: int, config: dict | None = None, invariant: bool = True,
+                   kernel: Any = None) -> dict[str, Any]:
+    """The config of `kernel` (default gemm_bf16_addnorm) at (N, K): the M=1 entry's numerics keys at
+    every M (`invariant`), launch keys from M's bucket; or M's own entry."""
+    kernel = kernel or gemm_bf16_addnorm_kernel
     if invariant or config is not None:
-        return invariant_config(gemm_bf16_addnorm_kernel, {"N": N, "K": K}, M, config)
+        return invariant_config(kernel, {"N": N, "K": K}, M, config)
     from autotune import lookup_config
 
-    return lookup_config(gemm_bf16_addnorm_kernel, kd.current_target().name, {"N": N, "K": K}, max(M, 1))
+    return lookup_config(kernel, kd.current_target().name, {"N": N, "K": K}, max(M, 1))
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -155,7 +185,7 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _pays_at(arch: str, N: int, K: int, bucket: int) -> bool:
+def _pays_at(arch: str, N: int, K: int, bucket: int, normed: bool = False) -> bool:
     """The tuned files' figures at one bucket: the fused launch against rmsnorm_add + the launch gap +
     gemm_bf16_splitk (the chain it replaces)."""
     from autotune.costmodel import launch_gap_us
@@ -163,7 +193,7 @@ def _pays_at(arch: str, N: int, K: int, bucket: int) -> bool:
     from ops.norm import rmsnorm_add
     from ops.splitk_norm import _figure
 
-    fused = _figure(gemm_bf16_addnorm_kernel, arch, {"N": N, "K": K}, bucket)
+    fused = _figure(KERNELS[bool(normed)], arch, {"N": N, "K": K}, bucket)
     gemm = _figure(gemm_bf16_splitk_kernel, arch, {"N": N, "K": K}, bucket)
     norm = _figure(rmsnorm_add, arch, {"D": K}, bucket)
     if fused is None or gemm is None or norm is None:
@@ -171,13 +201,13 @@ def _pays_at(arch: str, N: int, K: int, bucket: int) -> bool:
     return fused < gemm + norm + launch_gap_us(arch)
 
 
-def addnorm_pays(arch: str, N: int, K: int, rows: int) -> bool:
+def addnorm_pays(arch: str, N: int, K: int, rows: int, normed: bool = False) -> bool:
     """Whether a model whose decode and verify steps run at most `rows` rows (its cache's slots x
     the verify q_len, at most ops.splitk_norm.FUSED_SPAN) takes gemm_bf16_addnorm for every launch of
-    up to `rows` rows, by the tuned files (a host lookup on shapes): True only if it is predicted
-    faster than the chain at EVERY bucket up to `rows`. One answer for all of them: the fused
-    prologue sums a row's squares in its own order (NORM_K, num_warps), not rmsnorm_add's, so a
-    decode row and its verify row must take the same path. Every program re-reads its rows, so the
+    up to `rows` rows (gemm_bf16_addnorm_y: `normed`), by the tuned files (a host lookup on shapes):
+    True only if it is predicted faster than the chain at EVERY bucket up to `rows`. One answer for
+    all of them: the fused prologue sums a row's squares in its own order (NORM_K, num_warps), not
+    rmsnorm_add's, so a decode row and its verify row must take the same path. Every program re-reads its rows, so the
     fused launch loses at large M (a batch-32 verify): a deployment with that many rows keeps the
     chain. No files (the interpreter): False."""
     from autotune.buckets import LADDER
@@ -186,7 +216,7 @@ def addnorm_pays(arch: str, N: int, K: int, rows: int) -> bool:
     if rows < 1 or rows > FUSED_SPAN:
         return False
     top = next(b for b in LADDER if b >= rows)
-    return all(_pays_at(arch, N, K, b) for b in LADDER if b <= top)
+    return all(_pays_at(arch, N, K, b, bool(normed)) for b in LADDER if b <= top)
 
 
-KERNELS = (gemm_bf16_addnorm_kernel,)
+KERNELS = (gemm_bf16_addnorm_kernel, gemm_bf16_addnorm_y_kernel)   # by `normed`

@@ -49,10 +49,10 @@ def main(argv: list[str]) -> int:
     target = KimiModel(tk, backend=a.backend, device="cpu", comm=comm)
     target.add_norm_in_gemm = {"auto": "auto", "on": True, "off": False}[a.add_norm_in_gemm]
     import ops.gemm_addnorm as addnorm                    # count the fused add-norm GEMMs the run takes
-    calls, fused_op = [0], addnorm.gemm_bf16_addnorm
+    calls, fused_op = [0, 0], addnorm.gemm_bf16_addnorm      # [layer starts, MoE halves (normed rows out)]
 
     def counted(*args, **kwargs):
-        calls[0] += 1
+        calls[bool(kwargs.get("normed"))] += 1
         return fused_op(*args, **kwargs)
     addnorm.gemm_bf16_addnorm = counted
     draft = None
@@ -68,13 +68,13 @@ def main(argv: list[str]) -> int:
         r = eng.generate(PROMPTS[:a.prompts], a.new, mode, p, seed=7)
         out["cases"][name] = r.outputs
     out["collective_bytes"] = dict(comm.bytes)
-    out["addnorm_calls"] = calls[0]
     if not a.no_step:
         comm.reset_counts()                               # one target step of 1 x 3 rows: what it moves
         cache = target.new_cache(1, 16)
         cache.table.reserve_all(16)
         got = target.step(cache, torch.tensor([[1, 2, 3]]))
         out["one_step"] = dict(comm.bytes)
+        out["addnorm_calls"] = list(calls)            # before the step on the other path below
         if world > 1 and a.backend == "triton":    # the same step with the other residual-add path
             was, target.add_norm_in_gemm = target.add_norm_in_gemm, not target.add_norm_in_gemm
             other_cache = target.new_cache(1, 16)

@@ -64,6 +64,37 @@ def test_equals_rmsnorm_add_then_gemm_bit_for_bit(M, N, K, cfg):
         assert ((part[p].double() - ref).abs() <= 2.0 ** -7 * (yr[:, a:b].abs() @ w[:, a:b].double().abs().T)).all()
 
 
+@pytest.mark.parametrize("M,cfg", [(1, {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 128, "SPLIT_K": 2}),
+                                   (7, {"BLOCK_M": 4, "BLOCK_N": 32, "BLOCK_K": 64, "NORM_K": 64, "SPLIT_K": 3}),
+                                   (17, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 256, "SPLIT_K": 1})])
+def test_normed_rows_variant(M, cfg):
+    """gemm_bf16_addnorm_y (the MoE half's first GEMM): the partials and res_out of gemm_bf16_addnorm
+    at the same config, bit for bit, and the normed rows y: rmsnorm_add's `out` bit for bit when
+    NORM_K >= K, else within one bf16 ulp of it; y is a view of a bigger poisoned buffer (only its
+    rows and columns written, by the first column tile's programs)."""
+    N, K = 40, 96
+    x, res, xw, w = _case(M, N, K, seed=90 + M)
+    part, r_out = _launch(x, res, xw, w, cfg)
+    P = cfg["SPLIT_K"]
+    p2 = poisoned((P, M, N), torch.float32)
+    r2 = poisoned((M, K), torch.bfloat16)
+    ybuf = poisoned((M + 3, K + 5), torch.bfloat16)
+    A.gemm_bf16_addnorm_y_kernel(x, res, xw, w, p2, r2, ybuf[:M, :K], 1e-6, config=cfg)
+    assert torch.equal(p2, part) and torch.equal(r2, r_out)
+    assert ybuf[M:].isnan().all() and ybuf[:, K:].isnan().all()
+    y = ybuf[:M, :K]
+    want, _ = rms_norm(x, xw, 1e-6, residual=res, backend="triton")
+    if cfg["NORM_K"] >= K:
+        assert torch.equal(y.view(torch.int16), want.view(torch.int16))
+    else:
+        ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(2.0 ** -126))) - 7)
+        assert ((y.float() - want.float()).abs() <= ulp).all()
+    gemm, r3, y3 = A.gemm_bf16_addnorm(x, res, xw, w, 1e-6, config=cfg, partials=True, normed=True)
+    assert torch.equal(gemm, part) and torch.equal(r3, r_out) and torch.equal(y3, y)
+    tg, tr, ty = A.gemm_bf16_addnorm(x, res, xw, w, 1e-6, config=cfg, partials=True, normed=True, backend="torch")
+    assert torch.equal(tr, r_out) and torch.equal(ty, rmsnorm_ref(r_out, xw, 1e-6)) and tg.shape == part.shape
+
+
 @pytest.mark.parametrize("M", [1, 5, 16])
 def test_block_m_changes_no_bit(M):
     """BLOCK_M is a launch-only key: the same bits at 1, 2, 4, 8, 16 rows a tile (NORM_K < K:

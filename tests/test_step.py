@@ -414,11 +414,37 @@ def test_tp_layer_starts_with_the_add_norm_gemm_where_it_pays():
     assert wide[1][0] == wide[2][0] == "rmsnorm_add"
     assert not any("gemm_bf16_addnorm" in names for names in wide.values())
     # tune-model tunes both paths whichever the recorded step took (the chain's kernels launch elsewhere too)
-    from bench.step import _with_add_norm_path
+    from bench.step import _with_add_norm_paths
 
-    assert [(k.name, p) for k, p, _ in _with_add_norm_path([], cfg, 8)] == [("gemm_bf16_addnorm",
-                                                                              {"N": 2112, "K": 7168})]
-    assert _with_add_norm_path([], cfg, 1) == []
+    assert [(k.name, p) for k, p, _ in _with_add_norm_paths([], cfg, 8, "w4a8")] == [("gemm_bf16_addnorm",
+                                                                                       {"N": 2112, "K": 7168})]
+    assert [(k.name, p) for k, p, _ in _with_add_norm_paths([], cfg, 4, "w4a16")] == [
+        ("gemm_bf16_addnorm", {"N": 2112, "K": 7168}), ("gemm_bf16_addnorm_y", {"N": 1408, "K": 7168})]
+    assert _with_add_norm_paths([], cfg, 1, "w4a16") == []
+
+
+def test_tp_w4a16_moe_half_starts_with_the_add_norm_gemm():
+    """World size > 1 with experts that read bf16 rows (W4A16): the post-attention residual add and
+    norm run in the shared gate|up + router GEMM's prologue too (gemm_bf16_addnorm_y, storing the
+    normed rows stage 1 reads): a MoE layer between two others has no rmsnorm_add launch at all, two
+    launches fewer than the chains (TP8 and EP8)."""
+    from bench.meta_model import HostShadowMode, build_model
+    from bench.step import launch_layers, load_model_config, record_step
+
+    for moe in ("tp", "ep"):
+        cfg = load_model_config("kimi-k2.5", tp=8, moe_parallel=moe, layers=3)
+        got = {}
+        for fold in (True, False):
+            mode = HostShadowMode()
+            model = build_model(cfg, "w4a16", mode, 8, moe)
+            model.add_norm_in_gemm = fold
+            rec = record_step(cfg, "w4a16", "gfx950", 1, 8192, 1, model, mode)
+            got[fold] = [(r.kernel.name, r.dims.get("N")) for r, layer in zip(rec.launches, launch_layers(rec))
+                         if layer == 1]
+        names = [n for n, _ in got[True]]
+        assert ("gemm_bf16_addnorm_y", 896) in got[True] and "rmsnorm_add" not in names
+        assert names.index("gemm_bf16_addnorm_y") + 1 == names.index("moe_route_align" + ("_local" if moe == "ep" else ""))
+        assert len(got[False]) == len(got[True]) + 2 and ("gemm_bf16_splitk", 896) in got[False]
 
 
 def test_bench_step_cli_bad_input(capsys):
