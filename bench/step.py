@@ -135,22 +135,22 @@ def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: i
 
 def _with_add_norm_paths(probs: list[tuple[Any, dict[str, Any], int]], cfg: Any, tp: int, experts: str
                          ) -> list[tuple[Any, dict[str, Any], int]]:
-    """`probs` plus, at world size > 1, gemm_bf16_addnorm at the q_a|kv_a shape and (experts that
-    read bf16 rows) gemm_bf16_addnorm_y at the shared gate|up + router shape (2 x the shared
-    intermediate / tp + the routed experts): the model takes them or the chains (rmsnorm_add +
-    gemm_bf16_splitk, also launched elsewhere in the step) from the files of both
+    """`probs` plus, at world size > 1, gemm_bf16_addnorm at the q_a|kv_a shape and
+    gemm_bf16_addnorm_y (W4A8: _yq) at the shared gate|up + router shape (2 x the shared
+    intermediate / tp + the routed experts): the model takes them or the chains (rmsnorm_add(_quant)
+    + gemm_bf16_splitk, also launched elsewhere in the step) from the files of both
     (`ops.gemm_addnorm.addnorm_pays`), so a step recorded before their files exist (the chains)
     must still get them tuned."""
-    from ops.gemm_addnorm import KERNELS
+    from ops.gemm_addnorm import kernel_for
 
     if tp <= 1:
         return probs
     out, add = _extendable(probs)
     if cfg.q_lora_rank:
-        add(KERNELS[0], {"N": cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim, "K": cfg.hidden_size}, 1)
-    if experts not in ("w4a8", "mxfp4") and cfg.n_routed_experts and cfg.n_shared_experts:
+        add(kernel_for(), {"N": cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim, "K": cfg.hidden_size}, 1)
+    if experts != "mxfp4" and cfg.n_routed_experts and cfg.n_shared_experts:
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts // tp
-        add(KERNELS[1], {"N": 2 * shared + cfg.n_routed_experts, "K": cfg.hidden_size}, 1)
+        add(kernel_for(True, experts == "w4a8"), {"N": 2 * shared + cfg.n_routed_experts, "K": cfg.hidden_size}, 1)
     return out
 
 

@@ -226,14 +226,19 @@ class _MoE:
     @property
     def add_norm_shape(self) -> Optional[tuple[int, int]]:
         """(N, K) of the shared gate|up + router GEMM where `fused_block` can run the post-attention
-        residual add and norm in its prologue at world size > 1 (gemm_bf16_addnorm_y: a split-K
-        shared expert and experts that read bf16 rows, not W4A8's int8), else None."""
+        residual add and norm in its prologue at world size > 1 (gemm_bf16_addnorm_y, or _yq with the
+        per-token int8 quant W4A8 experts read: a split-K shared expert), else None."""
         from ops.moe import MoEWeights
 
         if self.backend != "triton" or self.gate_shared is None or not isinstance(self.experts, MoEWeights) \
-                or self.experts.fmt == "w4a8" or self.comm.world == 1:
+                or self.comm.world == 1:
             return None
         return tuple(self.gate_shared.shape)
+
+    @property
+    def add_norm_quant(self) -> bool:
+        """Whether the post-attention norm also quantizes the rows per token (W4A8 experts)."""
+        return getattr(self.experts, "fmt", None) == "w4a8"
 
     def fused_block(self, a: torch.Tensor, h: torch.Tensor, n2: RMSNorm, nxt: RMSNorm, raw_next: bool = False,
                     add_first: bool = False) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -259,8 +264,8 @@ class _MoE:
         all-reduce and returns (its bf16 rows, the post-attention residual): the next attention's
         first GEMM adds them and norms (ops.gemm_addnorm), no rmsnorm_add launch. `add_first` (world
         size > 1, where `add_norm_shape`): the post-attention add and norm run in the prologue of
-        the shared gate|up + router GEMM (gemm_bf16_addnorm_y, which also stores the normed rows the
-        routed experts read), no rmsnorm_add launch either."""
+        the shared gate|up + router GEMM (gemm_bf16_addnorm_y / _yq, which also stores the normed rows
+        the routed experts read, W4A8: with their int8 quant), no rmsnorm_add(_quant) launch either."""
         from ops.moe import MoEWeights, combine_add, combine_norm, combine_rank, expert_block_m, fused_experts
 
         if self.backend != "triton" or not isinstance(self.experts, MoEWeights) or h.dtype != torch.bfloat16 \
@@ -270,8 +275,10 @@ class _MoE:
         if add_first and self.add_norm_shape is not None:   # the add and norm in the GEMM's prologue
             from ops.gemm_addnorm import gemm_bf16_addnorm
 
-            both, h, x = gemm_bf16_addnorm(a.to(torch.bfloat16).contiguous(), h, n2.w, self.gate_shared, n2.eps,
-                                           partials=True, normed=True)
+            out = gemm_bf16_addnorm(a.to(torch.bfloat16).contiguous(), h, n2.w, self.gate_shared, n2.eps,
+                                    partials=True, normed=True, quant=self.add_norm_quant)
+            both, h, x = out[:3]
+            xq = out[3:] if self.add_norm_quant else None
         elif self.experts.fmt == "w4a8":
             x8, xs, x, h = n2.add_norm_quant(a, h)
             xq = (x8, xs)
@@ -579,9 +586,9 @@ class KimiModel:
         self.o_proj_norm = "auto"
         self.o_proj_counters = None       # its ticket counters: allocated once, below (triton, world size 1)
         # world size > 1: the residual adds and norms after the all-reduces run in the prologue of the
-        # GEMM that reads the normed rows (the next q_a|kv_a; with experts that read bf16 rows also the
-        # shared gate|up + router) (ops.gemm_addnorm, one launch fewer each): "auto" where the tuned files
-        # say it pays at every size up to the cache's slots x MAX_Q_LEN rows (addnorm_pays), True, False
+        # GEMM that reads the normed rows (the next q_a|kv_a; the shared gate|up + router) (ops.gemm_addnorm,
+        # one launch fewer each): "auto" where the tuned files say it pays at every size up to the
+        # cache's slots x MAX_Q_LEN rows (addnorm_pays), True, False
         self.add_norm_in_gemm: bool | str = "auto"
         self.capture_ids = tuple(capture_ids) if capture_ids is not None else cfg.capture_layer_ids
         for i in self.capture_ids:
@@ -667,7 +674,8 @@ class KimiModel:
             raw = self.norm_in_gemm and getattr(nxt_attn, "takes_raw_rows", False) and \
                 (self.comm.world == 1 or self._add_norm_in_gemm(nxt_attn.qkv_a_shape, cache, h.shape[0]))
             first = getattr(mlp, "add_norm_shape", None) if fused is not None else None
-            add_first = first is not None and self._add_norm_in_gemm(first, cache, h.shape[0], normed=True)
+            add_first = first is not None and self._add_norm_in_gemm(first, cache, h.shape[0], normed=True,
+                                                                     quant=mlp.add_norm_quant)
             done = fused(a, h, n2, nxt, raw_next=raw, add_first=add_first) if fused is not None else None
             x_norm = nxt if done is not None and raw else None
             if done is not None:                          # MoE half + next norm (or f32 rows), the new residual
@@ -686,12 +694,13 @@ class KimiModel:
         aux = torch.cat([caps[i] for i in self.capture_ids], -1).view(B, QL, -1) if self.capture_ids else None
         return StepOutput(logits, aux, h)
 
-    def _add_norm_in_gemm(self, shape: tuple[int, int], cache: LatentCache, rows: int, normed: bool = False
-                          ) -> bool:
+    def _add_norm_in_gemm(self, shape: tuple[int, int], cache: LatentCache, rows: int, normed: bool = False,
+                          quant: bool = False) -> bool:
         """World size > 1: whether a residual add and norm after an all-reduce run in the prologue of
         the GEMM of weight `shape` that reads the normed rows (`add_norm_in_gemm`; "auto":
         ops.gemm_addnorm.addnorm_pays for the most rows this cache's decode and verify steps run, and
-        `rows` within them; `normed`: the variant that stores the normed rows too)."""
+        `rows` within them; `normed` / `quant`: the variant that stores the normed rows / and their
+        int8 quant too)."""
         if self.add_norm_in_gemm != "auto":
             return bool(self.add_norm_in_gemm)
         from kdsl.targets import current_target
@@ -699,7 +708,7 @@ class KimiModel:
         from ops.mla import MAX_Q_LEN
 
         span = cache.table.batch * MAX_Q_LEN
-        return rows <= span and addnorm_pays(current_target().name, *shape, span, normed)
+        return rows <= span and addnorm_pays(current_target().name, *shape, span, normed, quant)
 
     def _o_proj_partials(self, fuse: bool) -> bool | NormTail:
         """What the attention returns at world size 1: o_proj as a PendingGemm that the next norm

@@ -46,13 +46,34 @@ def _residual_squares(x, res, m):
                    kd.zeros((m,), kd.f32), row)
 
 
-def _addnorm_gemm(x, res, xw, w, part, res_out, eps, y=None):
+def _row_absmax(x, res, xw, m, rstd, stop):
+    """max |r * rstd * xw| (f32, before the bf16 rounding: rmsnorm_add_quant's statistic) of the rows
+    [m.start, stop) of the tile `m`, one row at a time over NORM_K tiles (0 for the other rows):
+    stop = m.start in the programs that quantize nothing, which then run no iteration."""
+    nk = kd.tiles("K", block="NORM_K", domain=NORM_K_DOMAIN, default=256, label="kq")
+
+    def row(r, amax):
+        inv = kd.sum(kd.where(m == r, rstd, 0.0), axis=m)     # row r's rstd (the other entries are 0)
+
+        def most(k, acc):
+            v = _residual_sum(x, res, r, k).to(kd.f32) * inv * xw[k].to(kd.f32)
+            return kd.maximum(acc, kd.max(kd.abs(v), axis=k))
+
+        return kd.where(m == r, kd.fold(nk, kd.zeros((), kd.f32), most), amax)
+
+    return kd.fold(kd.indices(stop, start=m.start, label="qrow"), kd.zeros((m,), kd.f32), row)
+
+
+def _addnorm_gemm(x, res, xw, w, part, res_out, eps, y=None, q=None, scale=None):
     """The kernels' body: part[p] = bf16(rmsnorm(r) * xw)[:, Kp] @ w[:, Kp]^T in f32 over the K range
     Kp of output split p (gemm_bf16_splitk's ranges), r = bf16(x + res); res_out = r (and y = the
-    normed bf16 rows), stored by the programs of the first column tile for their K range. Each
-    program sums its real rows' squares over all of K (a row at a time: BLOCK_M is a launch-only key,
-    rows sit at their own place of the aligned 16 of the matrix dot), then scales each A tile by
-    rstd * xw and rounds it to bf16 before the dot: rmsnorm_add's expressions."""
+    normed bf16 rows; q, scale = their per-token int8 quant), stored by the programs of the first
+    column tile for their K range (masked stores in the main loop). Each program sums its real
+    rows' squares over all of K (a row at a time: BLOCK_M is a launch-only key, rows sit at their
+    own place of the aligned 16 of the matrix dot), then scales each A tile by rstd * xw and rounds
+    it to bf16 before the dot: rmsnorm_add's expressions. With q, the first column's programs also
+    take each row's absmax in a second pass over the row (rmsnorm_add_quant's scale, absmax/127,
+    and RNE codes; the other programs run no iteration of it)."""
     kd.tunable("SPLIT_K", SPLIT_K_DOMAIN, 1, "output splits along K (the P dim of part): more programs",
                search=NORM_SPLIT_SEARCH)
     m, n, p = kd.grid(kd.tile("M", "BLOCK_M", domain=NORM_BM_DOMAIN, default=16),
@@ -61,6 +82,14 @@ def _addnorm_gemm(x, res, xw, w, part, res_out, eps, y=None):
     mm, place = _mma_rows(m) if small else (m, 0)
     rstd = kd.rsqrt(_residual_squares(x, res, m) / kd.dim("K") + eps)
     first = n.start < 1
+    if q is not None:
+        from ops.quant import MIN_ABSMAX, _round_rne
+
+        rows_end = kd.minimum(kd.dim("M"), m.start + m.size)
+        vmax = _row_absmax(x, res, xw, m, rstd, kd.where(first, rows_end, m.start))
+        # max |bf16(v)| == bf16(max |v|) (RNE is monotone and symmetric), as ops.norm._norm_quant
+        sq = kd.maximum(vmax.to(kd.bf16).to(kd.f32), MIN_ABSMAX) / 127.0
+        kd.store(scale, (m,), sq, mask=first & (p < 1))
 
     def body(k, acc):
         r = _residual_sum(x, res, m, k)
@@ -68,6 +97,9 @@ def _addnorm_gemm(x, res, xw, w, part, res_out, eps, y=None):
         a = (r.to(kd.f32) * rstd * xw[k].to(kd.f32)).to(kd.bf16)
         if y is not None:
             kd.store(y, (m, k), a, mask=first)
+        if q is not None:
+            code = _round_rne(kd.minimum(kd.maximum(a.to(kd.f32) / sq, -127.0), 127.0)).to(kd.i32).to(kd.i8)
+            kd.store(q, (m, k), code, mask=first)
         return acc + kd.dot(kd.pad(a, m, mm, offset=place) if small else a, w[n, k])
 
     bk = kd.tunable("BLOCK_K", BK_DOMAIN, 64)
@@ -102,6 +134,18 @@ def gemm_bf16_addnorm_y_kernel(x: kd.In["M", "K", kd.bf16], res: kd.In["M", "K",
     _addnorm_gemm(x, res, xw, w, part, res_out, eps, y)
 
 
+@kd.kernel(name="gemm_bf16_addnorm_yq", example={"P": 1, "M": 1, "N": 896, "K": 7168})
+def gemm_bf16_addnorm_yq_kernel(x: kd.In["M", "K", kd.bf16], res: kd.In["M", "K", kd.bf16],
+                                xw: kd.In["K", kd.bf16], w: kd.In["N", "K", kd.bf16],
+                                part: kd.Out["P", "M", "N", kd.f32], res_out: kd.Out["M", "K", kd.bf16],
+                                y: kd.Out["M", "K", kd.bf16], q: kd.Out["M", "K", kd.i8],
+                                scale: kd.Out["M", kd.f32], eps: kd.Scalar[kd.f32]):
+    """gemm_bf16_addnorm_y for W4A8 experts: the normed rows' per-token int8 quant (q, scale: what
+    rmsnorm_add_quant stores, stage 1's input) stored by the first column tile's programs too
+    (`_addnorm_gemm`)."""
+    _addnorm_gemm(x, res, xw, w, part, res_out, eps, y, q, scale)
+
+
 def residual_sum_ref(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
     """bf16(x + res), one f32 add rounded once (ops.norm.rmsnorm_add's res_out)."""
     return (x.float() + res.float()).to(torch.bfloat16)
@@ -109,8 +153,8 @@ def residual_sum_ref(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
 
 def gemm_bf16_addnorm(x: torch.Tensor, res: torch.Tensor, x_norm_w: torch.Tensor, w: torch.Tensor, eps: float,
                       backend: str = "triton", config: dict | None = None, invariant: bool = True,
-                      partials: bool = False, res_out: torch.Tensor | None = None, normed: bool = False
-                      ) -> tuple[torch.Tensor, ...]:
+                      partials: bool = False, res_out: torch.Tensor | None = None, normed: bool = False,
+                      quant: bool = False) -> tuple[torch.Tensor, ...]:
     """(bf16(rmsnorm(r) * x_norm_w) @ w^T, r) with r = bf16(x + res), in one launch: x, res bf16
     [M, K] (any row stride, contiguous last dim), w [N, K]. The GEMM is written as f32 partials over
     the tuned SPLIT_K ranges of K; `partials=True` returns them ([SPLIT_K, M, N], for consumers that
@@ -118,7 +162,9 @@ def gemm_bf16_addnorm(x: torch.Tensor, res: torch.Tensor, x_norm_w: torch.Tensor
     goes (bf16 [M, K], contiguous, not overlapping `res`; default a new tensor). The torch backend
     computes r, then gemm_bf16_rmsnorm's torch path on it. `invariant` (default): the M=1 entry's
     numerics keys at every M. `normed` (gemm_bf16_addnorm_y): also returns the normed rows
-    bf16(rmsnorm(r) * x_norm_w) [M, K] (rmsnorm_add's `out`), a third element."""
+    bf16(rmsnorm(r) * x_norm_w) [M, K] (rmsnorm_add's `out`), a third element; `quant`
+    (gemm_bf16_addnorm_yq) also their per-token int8 quant (int8 [M, K], f32 scale [M]: what
+    rms_norm_quant returns), fourth and fifth."""
     name = "gemm_bf16_addnorm"
     _backend(name, backend)
     check_tensor(name, "x", x, 2, (torch.bfloat16,), last_contiguous=True)
@@ -143,23 +189,35 @@ def gemm_bf16_addnorm(x: torch.Tensor, res: torch.Tensor, x_norm_w: torch.Tensor
             raise ValueError(f"{name}: res_out must be [M={M}, K={K}], got {tuple(res_out.shape)}")
         if M and _overlaps(res_out, res):
             raise ValueError(f"{name}: res_out must not overlap res (every program reads the whole residual row)")
-    kern = KERNELS[bool(normed)]
+    kern = kernel_for(normed, quant)
     config = addnorm_config(M, N, K, config, invariant, kern)
     if backend == "torch":
-        from ops.norm import rmsnorm_ref
+        from ops.norm import rms_norm_quant_ref, rmsnorm_ref
 
         res_out.copy_(residual_sum_ref(x, res))
         gemm = gemm_bf16_rmsnorm(res_out, x_norm_w, w, eps, backend="torch", config=config, partials=partials)
+        if quant:
+            q, sc, yq, _ = rms_norm_quant_ref(res_out, x_norm_w, eps)
+            return gemm, res_out, yq, q, sc
         return (gemm, res_out, rmsnorm_ref(res_out, x_norm_w, eps)) if normed else (gemm, res_out)
     splits = int(config.get("SPLIT_K", 1))
     if splits not in SPLIT_K_DOMAIN:
         raise ValueError(f"{name}: SPLIT_K must be one of {SPLIT_K_DOMAIN}, got {splits!r}")
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    y = torch.empty(M, K, dtype=torch.bfloat16, device=x.device) if normed else None
+    extra: tuple[torch.Tensor, ...] = ()
+    if normed or quant:
+        extra = (torch.empty(M, K, dtype=torch.bfloat16, device=x.device),)
+    if quant:
+        extra += (torch.empty(M, K, dtype=torch.int8, device=x.device),
+                  torch.empty(M, dtype=torch.float32, device=x.device))
     if M:
-        kern(x, res, x_norm_w, w, part, res_out, *((y,) if normed else ()), float(eps), config=config)
-    gemm = part if partials else splitk_sum_ref(part)
-    return (gemm, res_out, y) if normed else (gemm, res_out)
+        kern(x, res, x_norm_w, w, part, res_out, *extra, float(eps), config=config)
+    return (part if partials else splitk_sum_ref(part), res_out, *extra)
+
+
+def kernel_for(normed: bool = False, quant: bool = False) -> Any:
+    """gemm_bf16_addnorm, its _y (normed rows out) or _yq (and their int8 quant) variant."""
+    return KERNELS[2 if quant else int(bool(normed))]
 
 
 def addnorm_config(M: int, N: int, K: int, config: dict | None = None, invariant: bool = True,
@@ -185,26 +243,26 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _pays_at(arch: str, N: int, K: int, bucket: int, normed: bool = False) -> bool:
-    """The tuned files' figures at one bucket: the fused launch against rmsnorm_add + the launch gap +
-    gemm_bf16_splitk (the chain it replaces)."""
+def _pays_at(arch: str, N: int, K: int, bucket: int, normed: bool = False, quant: bool = False) -> bool:
+    """The tuned files' figures at one bucket: the fused launch against rmsnorm_add(_quant) + the
+    launch gap + gemm_bf16_splitk (the chain it replaces)."""
     from autotune.costmodel import launch_gap_us
     from ops.gemm import gemm_bf16_splitk_kernel
-    from ops.norm import rmsnorm_add
+    from ops.norm import rmsnorm_add, rmsnorm_add_quant
     from ops.splitk_norm import _figure
 
-    fused = _figure(KERNELS[bool(normed)], arch, {"N": N, "K": K}, bucket)
+    fused = _figure(kernel_for(normed, quant), arch, {"N": N, "K": K}, bucket)
     gemm = _figure(gemm_bf16_splitk_kernel, arch, {"N": N, "K": K}, bucket)
-    norm = _figure(rmsnorm_add, arch, {"D": K}, bucket)
+    norm = _figure(rmsnorm_add_quant if quant else rmsnorm_add, arch, {"D": K}, bucket)
     if fused is None or gemm is None or norm is None:
         return False
     return fused < gemm + norm + launch_gap_us(arch)
 
 
-def addnorm_pays(arch: str, N: int, K: int, rows: int, normed: bool = False) -> bool:
+def addnorm_pays(arch: str, N: int, K: int, rows: int, normed: bool = False, quant: bool = False) -> bool:
     """Whether a model whose decode and verify steps run at most `rows` rows (its cache's slots x
     the verify q_len, at most ops.splitk_norm.FUSED_SPAN) takes gemm_bf16_addnorm for every launch of
-    up to `rows` rows (gemm_bf16_addnorm_y: `normed`), by the tuned files (a host lookup on shapes):
+    up to `rows` rows (its _y / _yq variant: `normed` / `quant`), by the tuned files (a host lookup on shapes):
     True only if it is predicted faster than the chain at EVERY bucket up to `rows`. One answer for
     all of them: the fused prologue sums a row's squares in its own order (NORM_K, num_warps), not
     rmsnorm_add's, so a decode row and its verify row must take the same path. Every program re-reads its rows, so the
@@ -216,7 +274,7 @@ def addnorm_pays(arch: str, N: int, K: int, rows: int, normed: bool = False) -> 
     if rows < 1 or rows > FUSED_SPAN:
         return False
     top = next(b for b in LADDER if b >= rows)
-    return all(_pays_at(arch, N, K, b, bool(normed)) for b in LADDER if b <= top)
+    return all(_pays_at(arch, N, K, b, bool(normed), bool(quant)) for b in LADDER if b <= top)
 
 
-KERNELS = (gemm_bf16_addnorm_kernel, gemm_bf16_addnorm_y_kernel)   # by `normed`
+KERNELS = (gemm_bf16_addnorm_kernel, gemm_bf16_addnorm_y_kernel, gemm_bf16_addnorm_yq_kernel)

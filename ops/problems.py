@@ -241,14 +241,15 @@ MODELS: list[ProblemModel] = [
     # gemm_bf16_rmsnorm over r = bf16(x + res) with r stored (ops.gemm_addnorm: a layer's first GEMM at
     # world size > 1): the GEMM bytes, the norm weight, the residual read and r written (2 + 2 bytes a
     # row element; the prologue's re-reads of both rows hit L2); its own split-K partials as above
-    # (gemm_bf16_addnorm_y: the normed rows y written too, 2 more bytes a row element)
+    # (gemm_bf16_addnorm_y: the normed rows y written too, 2 more bytes a row element; _yq: and their
+    # int8 codes, 1 more, plus a scale per row)
     *(ProblemModel(name, ("N", "K"), peak_dtype="bf16",
                    bytes_fn=lambda p, m, ob=ob: _gemm(2, 2, "bf16")[0](p, m) + 2 * p["K"] + ob * m * p["K"],
                    flops_fn=lambda p, m: _gemm(2, 2, "bf16")[1](p, m) + 5.0 * m * p["K"], shared_numerics=True,
                    derived=lambda p, m, c: _rmsnorm_split(p, c), loop_dim="KS",
                    extra_bytes_fn=lambda p, m, d: 2.0 * m * p["N"] * (4 * d["P"] - 2),
                    launch_keys=("BLOCK_M",), tiles_from=("gemm_bf16_rmsnorm", "gemm_bf16_addnorm"))
-      for name, ob in (("gemm_bf16_addnorm", 4), ("gemm_bf16_addnorm_y", 6))),
+      for name, ob in (("gemm_bf16_addnorm", 4), ("gemm_bf16_addnorm_y", 6), ("gemm_bf16_addnorm_yq", 7))),
     # split-K: the floor of the plain GEMM; the f32 partials [S, M, N] written and read back once by
     # the consumers are the split's extra traffic; S = SPLIT_K more programs, each looping over KS
     ProblemModel("gemm_bf16_splitk", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],

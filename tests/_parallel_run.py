@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     calls, fused_op = [0, 0], addnorm.gemm_bf16_addnorm      # [layer starts, MoE halves (normed rows out)]
 
     def counted(*args, **kwargs):
-        calls[bool(kwargs.get("normed"))] += 1
+        calls[bool(kwargs.get("normed") or kwargs.get("quant"))] += 1
         return fused_op(*args, **kwargs)
     addnorm.gemm_bf16_addnorm = counted
     draft = None

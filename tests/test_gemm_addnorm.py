@@ -12,7 +12,7 @@ import torch
 
 from ops import gemm as G
 from ops import gemm_addnorm as A
-from ops.norm import rms_norm, rmsnorm_ref
+from ops.norm import rms_norm, rms_norm_quant, rmsnorm_ref
 from tests.conftest import poisoned
 
 
@@ -93,6 +93,34 @@ def test_normed_rows_variant(M, cfg):
     assert torch.equal(gemm, part) and torch.equal(r3, r_out) and torch.equal(y3, y)
     tg, tr, ty = A.gemm_bf16_addnorm(x, res, xw, w, 1e-6, config=cfg, partials=True, normed=True, backend="torch")
     assert torch.equal(tr, r_out) and torch.equal(ty, rmsnorm_ref(r_out, xw, 1e-6)) and tg.shape == part.shape
+
+
+@pytest.mark.parametrize("M,cfg", [(1, {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 128, "SPLIT_K": 2}),
+                                   (6, {"BLOCK_M": 4, "BLOCK_N": 32, "BLOCK_K": 64, "NORM_K": 128, "SPLIT_K": 3}),
+                                   (17, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 256, "SPLIT_K": 1})])
+def test_quant_variant_equals_rmsnorm_add_quant(M, cfg):
+    """gemm_bf16_addnorm_yq (W4A8 experts' MoE half): with NORM_K >= K the new residual, the normed
+    rows and their per-token int8 codes and scales are rms_norm_quant's (rmsnorm_add_quant) bit for
+    bit, the partials gemm_bf16_addnorm's; every output a view of a bigger poisoned buffer, nothing
+    around it written (the scales once per row, by one program); the torch backend agrees."""
+    N, K = 40, 96
+    x, res, xw, w = _case(M, N, K, seed=110 + M)
+    part, r_out = _launch(x, res, xw, w, cfg)
+    P = cfg["SPLIT_K"]
+    p2, r2 = poisoned((P, M, N), torch.float32), poisoned((M, K), torch.bfloat16)
+    ybuf, qbuf, sbuf = poisoned((M + 2, K + 4), torch.bfloat16), poisoned((M + 2, K + 4), torch.int8), \
+        poisoned((M + 3,), torch.float32)
+    A.gemm_bf16_addnorm_yq_kernel(x, res, xw, w, p2, r2, ybuf[:M, :K], qbuf[:M, :K], sbuf[:M], 1e-6, config=cfg)
+    assert torch.equal(p2, part) and torch.equal(r2, r_out)
+    assert ybuf[M:].isnan().all() and ybuf[:, K:].isnan().all() and sbuf[M:].isnan().all()
+    assert (qbuf[M:] == -123).all() and (qbuf[:, K:] == -123).all()
+    q8, sc, y, r = rms_norm_quant(x, xw, 1e-6, residual=res, backend="triton")
+    assert torch.equal(r, r_out) and torch.equal(ybuf[:M, :K].view(torch.int16), y.view(torch.int16))
+    assert torch.equal(qbuf[:M, :K], q8) and torch.equal(sbuf[:M], sc)
+    got = A.gemm_bf16_addnorm(x, res, xw, w, 1e-6, config=cfg, partials=True, quant=True)
+    assert len(got) == 5 and all(torch.equal(a, b) for a, b in zip(got, (part, r_out, y, q8, sc)))
+    ref = A.gemm_bf16_addnorm(x, res, xw, w, 1e-6, config=cfg, partials=True, quant=True, backend="torch")
+    assert all(torch.equal(a, b) for a, b in zip(ref[1:], got[1:])) and ref[0].shape == part.shape
 
 
 @pytest.mark.parametrize("M", [1, 5, 16])

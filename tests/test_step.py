@@ -409,25 +409,28 @@ def test_tp_layer_starts_with_the_add_norm_gemm_where_it_pays():
     assert "rmsnorm_add" not in fold[1] and fold[2][-1] == "rmsnorm_add"   # the last layer: the final norm
     chain = layer_kernels(1, False)
     assert chain[1][:2] == chain[2][:2] == ["rmsnorm_add", "gemm_bf16_splitk"]
-    assert sum(map(len, chain.values())) == sum(map(len, fold.values())) + 2
+    halves = sum("gemm_bf16_addnorm_yq" in fold[layer] for layer in (1, 2))   # where the MoE half's pays too
+    assert sum(map(len, chain.values())) == sum(map(len, fold.values())) + 2 + halves
     wide = layer_kernels(32, "auto")
     assert wide[1][0] == wide[2][0] == "rmsnorm_add"
-    assert not any("gemm_bf16_addnorm" in names for names in wide.values())
+    assert not any(name.startswith("gemm_bf16_addnorm") for names in wide.values() for name in names)
     # tune-model tunes both paths whichever the recorded step took (the chain's kernels launch elsewhere too)
     from bench.step import _with_add_norm_paths
 
-    assert [(k.name, p) for k, p, _ in _with_add_norm_paths([], cfg, 8, "w4a8")] == [("gemm_bf16_addnorm",
-                                                                                       {"N": 2112, "K": 7168})]
+    assert [(k.name, p) for k, p, _ in _with_add_norm_paths([], cfg, 8, "w4a8")] == [
+        ("gemm_bf16_addnorm", {"N": 2112, "K": 7168}), ("gemm_bf16_addnorm_yq", {"N": 896, "K": 7168})]
     assert [(k.name, p) for k, p, _ in _with_add_norm_paths([], cfg, 4, "w4a16")] == [
         ("gemm_bf16_addnorm", {"N": 2112, "K": 7168}), ("gemm_bf16_addnorm_y", {"N": 1408, "K": 7168})]
     assert _with_add_norm_paths([], cfg, 1, "w4a16") == []
 
 
-def test_tp_w4a16_moe_half_starts_with_the_add_norm_gemm():
-    """World size > 1 with experts that read bf16 rows (W4A16): the post-attention residual add and
-    norm run in the shared gate|up + router GEMM's prologue too (gemm_bf16_addnorm_y, storing the
-    normed rows stage 1 reads): a MoE layer between two others has no rmsnorm_add launch at all, two
-    launches fewer than the chains (TP8 and EP8)."""
+@pytest.mark.parametrize("experts,fused,norm", [("w4a16", "gemm_bf16_addnorm_y", "rmsnorm_add"),
+                                                ("w4a8", "gemm_bf16_addnorm_yq", "rmsnorm_add_quant")])
+def test_tp_moe_half_starts_with_the_add_norm_gemm(experts, fused, norm):
+    """World size > 1: the post-attention residual add and norm run in the shared gate|up + router
+    GEMM's prologue too (gemm_bf16_addnorm_y storing the normed rows stage 1 reads; W4A8: _yq, with
+    their per-token int8 quant): a MoE layer between two others has no rmsnorm_add(_quant) launch at
+    all, two launches fewer than the chains (TP8 and EP8)."""
     from bench.meta_model import HostShadowMode, build_model
     from bench.step import launch_layers, load_model_config, record_step
 
@@ -436,15 +439,16 @@ def test_tp_w4a16_moe_half_starts_with_the_add_norm_gemm():
         got = {}
         for fold in (True, False):
             mode = HostShadowMode()
-            model = build_model(cfg, "w4a16", mode, 8, moe)
+            model = build_model(cfg, experts, mode, 8, moe)
             model.add_norm_in_gemm = fold
-            rec = record_step(cfg, "w4a16", "gfx950", 1, 8192, 1, model, mode)
+            rec = record_step(cfg, experts, "gfx950", 1, 8192, 1, model, mode)
             got[fold] = [(r.kernel.name, r.dims.get("N")) for r, layer in zip(rec.launches, launch_layers(rec))
                          if layer == 1]
         names = [n for n, _ in got[True]]
-        assert ("gemm_bf16_addnorm_y", 896) in got[True] and "rmsnorm_add" not in names
-        assert names.index("gemm_bf16_addnorm_y") + 1 == names.index("moe_route_align" + ("_local" if moe == "ep" else ""))
+        assert (fused, 896) in got[True] and not {"rmsnorm_add", "rmsnorm_add_quant"} & set(names)
+        assert names.index(fused) + 1 == names.index("moe_route_align" + ("_local" if moe == "ep" else ""))
         assert len(got[False]) == len(got[True]) + 2 and ("gemm_bf16_splitk", 896) in got[False]
+        assert norm in [n for n, _ in got[False]]
 
 
 def test_bench_step_cli_bad_input(capsys):
