@@ -128,29 +128,39 @@ def step_problems(cfg: Any, experts: str, arch: str, q_lens: list[int], batch: i
     """Distinct (kernel, keyed problem, smallest M launched) of the kdsl launches of the recorded
     steps (for tune-model). Kernels whose op looks up no tuned config are left out (nothing would
     read their files). The smallest M matters for decode attention: at q_len 4, M = batch x 4."""
-    probs = _with_o_proj_tail_paths(_with_stage2_quant_paths(
-        _recorded(cfg, experts, arch, q_lens, batch, ctx, tp, moe_parallel, per_sequence=True)), arch)
-    return _ep_scored(cfg, tp, moe_parallel, _with_add_norm_paths(probs, cfg, tp, experts))
+    probs = _with_add_norm_paths(_with_stage2_quant_paths(
+        _recorded(cfg, experts, arch, q_lens, batch, ctx, tp, moe_parallel, per_sequence=True)), cfg, tp, experts, arch)
+    return _ep_scored(cfg, tp, moe_parallel, _with_o_proj_tail_paths(probs, arch))
 
 
-def _with_add_norm_paths(probs: list[tuple[Any, dict[str, Any], int]], cfg: Any, tp: int, experts: str
-                         ) -> list[tuple[Any, dict[str, Any], int]]:
-    """`probs` plus, at world size > 1, gemm_bf16_addnorm at the q_a|kv_a shape and
-    gemm_bf16_addnorm_y (W4A8: _yq) at the shared gate|up + router shape (2 x the shared
-    intermediate / tp + the routed experts): the model takes them or the chains (rmsnorm_add(_quant)
-    + gemm_bf16_splitk, also launched elsewhere in the step) from the files of both
+def _with_add_norm_paths(probs: list[tuple[Any, dict[str, Any], int]], cfg: Any, tp: int, experts: str,
+                         arch: str) -> list[tuple[Any, dict[str, Any], int]]:
+    """`probs` plus, at world size > 1, gemm_bf16_addnorm at the q_a|kv_a shape, and (any world size)
+    gemm_bf16_addnorm_y (W4A8: _yq; world size 1: the _splitk_ forms) at the shared gate|up + router
+    shape (2 x the shared intermediate / tp + the routed experts; world size 1: at o_proj's split
+    count S on `arch`): the model takes them or the
+    chains (rmsnorm_add(_quant)(_splitk) + gemm_bf16_splitk, also launched elsewhere in the step) from the files of both
     (`ops.gemm_addnorm.addnorm_pays`), so a step recorded before their files exist (the chains)
     must still get them tuned."""
     from ops.gemm_addnorm import kernel_for
 
-    if tp <= 1:
-        return probs
     out, add = _extendable(probs)
-    if cfg.q_lora_rank:
+    if cfg.q_lora_rank and tp > 1:
         add(kernel_for(), {"N": cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim, "K": cfg.hidden_size}, 1)
     if experts != "mxfp4" and cfg.n_routed_experts and cfg.n_shared_experts:
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts // tp
-        add(kernel_for(True, experts == "w4a8"), {"N": 2 * shared + cfg.n_routed_experts, "K": cfg.hidden_size}, 1)
+        prob = {"N": 2 * shared + cfg.n_routed_experts, "K": cfg.hidden_size}
+        if tp == 1:                        # o_proj's split-K partials in; the chain's norm over them
+            from ops._common import invariant_config
+            from ops.gemm import SPLIT_K_DEFAULT, gemm_bf16_splitk_kernel
+            from ops.norm import rmsnorm_add_quant_splitk, rmsnorm_add_splitk
+
+            o_proj = {"N": cfg.hidden_size, "K": cfg.num_attention_heads * cfg.v_head_dim}
+            prob["S"] = int(invariant_config(gemm_bf16_splitk_kernel, o_proj, 1, None, arch=arch)
+                            .get("SPLIT_K", SPLIT_K_DEFAULT))
+            add(rmsnorm_add_quant_splitk if experts == "w4a8" else rmsnorm_add_splitk,
+                {"D": cfg.hidden_size, "S": prob["S"]}, 1)
+        add(kernel_for(True, experts == "w4a8", tp == 1), prob, 1)
     return out
 
 

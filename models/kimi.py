@@ -96,6 +96,16 @@ class RoutingTrace:
         return r
 
 
+def _splits(a: "torch.Tensor | PendingGemm") -> int:
+    """The split-K partial count of an attention output at world size 1 (o_proj's SPLIT_K, run or
+    not yet run), 0 for rows."""
+    if isinstance(a, PendingGemm):
+        from ops.gemm import SPLIT_K_DEFAULT, splitk_config
+
+        return int(splitk_config(a.x.shape[0], a.w.shape[0], a.w.shape[1]).get("SPLIT_K", SPLIT_K_DEFAULT))
+    return a.shape[0] if a.dim() == 3 else 0
+
+
 class _MoE:
     def __init__(self, ck: Checkpoint, i: int, cfg: DeepseekV3Config, backend: str, dtype: torch.dtype,
                  owner: Optional["KimiModel"] = None, device: torch.device = torch.device("cpu")):
@@ -226,12 +236,12 @@ class _MoE:
     @property
     def add_norm_shape(self) -> Optional[tuple[int, int]]:
         """(N, K) of the shared gate|up + router GEMM where `fused_block` can run the post-attention
-        residual add and norm in its prologue at world size > 1 (gemm_bf16_addnorm_y, or _yq with the
-        per-token int8 quant W4A8 experts read: a split-K shared expert), else None."""
+        residual add and norm in its prologue (gemm_bf16_addnorm_y, or _yq with the per-token int8
+        quant W4A8 experts read; at world size 1 their _splitk_ forms over o_proj's partials: a
+        split-K shared expert), else None."""
         from ops.moe import MoEWeights
 
-        if self.backend != "triton" or self.gate_shared is None or not isinstance(self.experts, MoEWeights) \
-                or self.comm.world == 1:
+        if self.backend != "triton" or self.gate_shared is None or not isinstance(self.experts, MoEWeights):
             return None
         return tuple(self.gate_shared.shape)
 
@@ -262,8 +272,9 @@ class _MoE:
         launch, not two, with the same bits; at world size > 1 so does combine_rank
         (ops.swiglu.gemm_bf16_swiglu_rank). `raw_next` at world size > 1: the layer ends with the
         all-reduce and returns (its bf16 rows, the post-attention residual): the next attention's
-        first GEMM adds them and norms (ops.gemm_addnorm), no rmsnorm_add launch. `add_first` (world
-        size > 1, where `add_norm_shape`): the post-attention add and norm run in the prologue of
+        first GEMM adds them and norms (ops.gemm_addnorm), no rmsnorm_add launch. `add_first` (where
+        `add_norm_shape`; at world size 1 over o_proj's split-K partials): the post-attention add and
+        norm run in the prologue of
         the shared gate|up + router GEMM (gemm_bf16_addnorm_y / _yq, which also stores the normed rows
         the routed experts read, W4A8: with their int8 quant), no rmsnorm_add(_quant) launch either."""
         from ops.moe import MoEWeights, combine_add, combine_norm, combine_rank, expert_block_m, fused_experts
@@ -275,8 +286,11 @@ class _MoE:
         if add_first and self.add_norm_shape is not None:   # the add and norm in the GEMM's prologue
             from ops.gemm_addnorm import gemm_bf16_addnorm
 
-            out = gemm_bf16_addnorm(a.to(torch.bfloat16).contiguous(), h, n2.w, self.gate_shared, n2.eps,
-                                    partials=True, normed=True, quant=self.add_norm_quant)
+            src = a.partials() if isinstance(a, PendingGemm) else a      # world size 1: o_proj's partials
+            if src.dim() == 2:
+                src = src.to(torch.bfloat16).contiguous()
+            out = gemm_bf16_addnorm(src, h, n2.w, self.gate_shared, n2.eps, partials=True, normed=True,
+                                    quant=self.add_norm_quant)
             both, h, x = out[:3]
             xq = out[3:] if self.add_norm_quant else None
         elif self.experts.fmt == "w4a8":
@@ -675,7 +689,7 @@ class KimiModel:
                 (self.comm.world == 1 or self._add_norm_in_gemm(nxt_attn.qkv_a_shape, cache, h.shape[0]))
             first = getattr(mlp, "add_norm_shape", None) if fused is not None else None
             add_first = first is not None and self._add_norm_in_gemm(first, cache, h.shape[0], normed=True,
-                                                                     quant=mlp.add_norm_quant)
+                                                                     quant=mlp.add_norm_quant, splits=_splits(a))
             done = fused(a, h, n2, nxt, raw_next=raw, add_first=add_first) if fused is not None else None
             x_norm = nxt if done is not None and raw else None
             if done is not None:                          # MoE half + next norm (or f32 rows), the new residual
@@ -695,12 +709,12 @@ class KimiModel:
         return StepOutput(logits, aux, h)
 
     def _add_norm_in_gemm(self, shape: tuple[int, int], cache: LatentCache, rows: int, normed: bool = False,
-                          quant: bool = False) -> bool:
-        """World size > 1: whether a residual add and norm after an all-reduce run in the prologue of
-        the GEMM of weight `shape` that reads the normed rows (`add_norm_in_gemm`; "auto":
-        ops.gemm_addnorm.addnorm_pays for the most rows this cache's decode and verify steps run, and
-        `rows` within them; `normed` / `quant`: the variant that stores the normed rows / and their
-        int8 quant too)."""
+                          quant: bool = False, splits: int = 0) -> bool:
+        """Whether a residual add and norm (after an all-reduce; at world size 1 after o_proj, over its
+        `splits` split-K partials) run in the prologue of the GEMM of weight `shape` that reads the
+        normed rows (`add_norm_in_gemm`; "auto": ops.gemm_addnorm.addnorm_pays for the most rows this
+        cache's decode and verify steps run, and `rows` within them; `normed` / `quant`: the variant
+        that stores the normed rows / and their int8 quant too)."""
         if self.add_norm_in_gemm != "auto":
             return bool(self.add_norm_in_gemm)
         from kdsl.targets import current_target
@@ -708,7 +722,7 @@ class KimiModel:
         from ops.mla import MAX_Q_LEN
 
         span = cache.table.batch * MAX_Q_LEN
-        return rows <= span and addnorm_pays(current_target().name, *shape, span, normed, quant)
+        return rows <= span and addnorm_pays(current_target().name, *shape, span, normed, quant, splits)
 
     def _o_proj_partials(self, fuse: bool) -> bool | NormTail:
         """What the attention returns at world size 1: o_proj as a PendingGemm that the next norm

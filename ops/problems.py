@@ -250,6 +250,16 @@ MODELS: list[ProblemModel] = [
                    extra_bytes_fn=lambda p, m, d: 2.0 * m * p["N"] * (4 * d["P"] - 2),
                    launch_keys=("BLOCK_M",), tiles_from=("gemm_bf16_rmsnorm", "gemm_bf16_addnorm"))
       for name, ob in (("gemm_bf16_addnorm", 4), ("gemm_bf16_addnorm_y", 6), ("gemm_bf16_addnorm_yq", 7))),
+    # the same at world size 1 over o_proj's S split-K f32 partials (their traffic charged to
+    # gemm_bf16_splitk, which writes them, as for gemm_bf16_rmsnorm); S is part of the key: every
+    # program's prologue re-reads all S partials of its rows (at S=4 twice the time of S=1 on gfx942)
+    *(ProblemModel(name, ("N", "K", "S"), peak_dtype="bf16",
+                   bytes_fn=lambda p, m, ob=ob: _gemm(2, 2, "bf16")[0](p, m) + 2 * p["K"] + ob * m * p["K"],
+                   flops_fn=lambda p, m: _gemm(2, 2, "bf16")[1](p, m) + 5.0 * m * p["K"], shared_numerics=True,
+                   derived=lambda p, m, c: _rmsnorm_split(p, c), loop_dim="KS",
+                   extra_bytes_fn=lambda p, m, d: 2.0 * m * p["N"] * (4 * d["P"] - 2),
+                   launch_keys=("BLOCK_M",), tiles_from=("gemm_bf16_addnorm_y", "gemm_bf16_addnorm_yq"))
+      for name, ob in (("gemm_bf16_addnorm_splitk_y", 6), ("gemm_bf16_addnorm_splitk_yq", 7))),
     # split-K: the floor of the plain GEMM; the f32 partials [S, M, N] written and read back once by
     # the consumers are the split's extra traffic; S = SPLIT_K more programs, each looping over KS
     ProblemModel("gemm_bf16_splitk", ("N", "K"), peak_dtype="bf16", bytes_fn=_gemm(2, 2, "bf16")[0],

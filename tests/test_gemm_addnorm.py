@@ -123,6 +123,51 @@ def test_quant_variant_equals_rmsnorm_add_quant(M, cfg):
     assert all(torch.equal(a, b) for a, b in zip(ref[1:], got[1:])) and ref[0].shape == part.shape
 
 
+@pytest.mark.parametrize("quant", [False, True])
+@pytest.mark.parametrize("S,M,cfg", [(2, 1, {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 128, "SPLIT_K": 2}),
+                                     (4, 6, {"BLOCK_M": 4, "BLOCK_N": 32, "BLOCK_K": 64, "NORM_K": 128, "SPLIT_K": 3}),
+                                     (3, 17, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 256,
+                                              "SPLIT_K": 1})])
+def test_splitk_partials_variants(S, M, cfg, quant):
+    """World size 1 (gemm_bf16_addnorm_splitk_y / _yq): x as o_proj's S split-K f32 partials (a
+    strided view of a wider buffer). With NORM_K >= K every output is rmsnorm_add(_quant)_splitk's
+    bit for bit and the GEMM partials are those of the bf16 path over the rounded split sum; outputs
+    are views of bigger poisoned buffers; the torch backend agrees."""
+    from ops.gemm import splitk_sum_ref
+
+    N, K = 40, 96
+    g = torch.Generator().manual_seed(130 + S * M)
+    x = (torch.randn(S, M, K + 7, generator=g) * 2.0)[:, :, :K]
+    res = (torch.randn(M, K, generator=g) * 3.0).bfloat16()
+    xw, w = torch.randn(K, generator=g).bfloat16(), (torch.randn(N, K, generator=g) * 0.2).bfloat16()
+    P = cfg["SPLIT_K"]
+    pbuf, rbuf, ybuf = poisoned((P + 1, M, N), torch.float32), poisoned((M + 1, K), torch.bfloat16), \
+        poisoned((M + 1, K + 3), torch.bfloat16)
+    outs = [pbuf[:P], rbuf[:M], ybuf[:M, :K]]
+    if quant:
+        qbuf, sbuf = poisoned((M + 1, K), torch.int8), poisoned((M + 2,), torch.float32)
+        outs += [qbuf[:M], sbuf[:M]]
+        A.gemm_bf16_addnorm_splitk_yq_kernel(x, res, xw, w, *outs, 1e-6, config=cfg)
+        assert (qbuf[M:] == -123).all() and sbuf[M:].isnan().all()
+        want = rms_norm_quant(x, xw, 1e-6, residual=res, backend="triton")       # (q, scale, y, residual)
+        want = (want[3], want[2], want[0], want[1])
+    else:
+        A.gemm_bf16_addnorm_splitk_y_kernel(x, res, xw, w, *outs, 1e-6, config=cfg)
+        y, r = rms_norm(x, xw, 1e-6, residual=res, backend="triton")
+        want = (r, y)
+    assert pbuf[P:].isnan().all() and rbuf[M:].isnan().all() and ybuf[M:].isnan().all() and ybuf[:, K:].isnan().all()
+    for got, exp in zip(outs[1:], want):
+        assert torch.equal(got, exp)
+    flat = A.gemm_bf16_addnorm(splitk_sum_ref(x), res, xw, w, 1e-6, config=cfg, partials=True, quant=quant,
+                               normed=True)
+    assert torch.equal(outs[0], flat[0])
+    got = A.gemm_bf16_addnorm(x, res, xw, w, 1e-6, config=cfg, partials=True, quant=quant, normed=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, outs))
+    ref = A.gemm_bf16_addnorm(x, res, xw, w, 1e-6, config=cfg, partials=True, quant=quant, normed=True,
+                              backend="torch")
+    assert all(torch.equal(a, b) for a, b in zip(ref[1:], got[1:])) and ref[0].shape == got[0].shape
+
+
 @pytest.mark.parametrize("M", [1, 5, 16])
 def test_block_m_changes_no_bit(M):
     """BLOCK_M is a launch-only key: the same bits at 1, 2, 4, 8, 16 rows a tile (NORM_K < K:
@@ -158,8 +203,12 @@ def test_wrapper_backends_and_checks():
     buf = res.contiguous()
     with pytest.raises(ValueError, match="must not overlap res"):
         A.gemm_bf16_addnorm(x, buf, xw, w, 1e-6, config=cfg, res_out=buf)
-    with pytest.raises(ValueError, match="res must have x's shape"):
+    with pytest.raises(ValueError, match="res must have x's rows' shape"):
         A.gemm_bf16_addnorm(x, res[:2], xw, w, 1e-6)
+    with pytest.raises(ValueError, match="need normed=True or quant=True"):
+        A.gemm_bf16_addnorm(x.float().unsqueeze(0), res, xw, w, 1e-6)
+    with pytest.raises(TypeError, match="split-K partials"):
+        A.gemm_bf16_addnorm(x.double().unsqueeze(0), res, xw, w, 1e-6, normed=True)
     with pytest.raises(ValueError, match="x_norm_w must be"):
         A.gemm_bf16_addnorm(x, res, xw[:32], w, 1e-6)
     with pytest.raises(ValueError, match="w must be"):

@@ -369,13 +369,14 @@ def test_swiglu_combine_rows_batch1_equal_batch8(arch: str, S: int) -> None:
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
-@pytest.mark.parametrize("kind,n_kimi", [(0, 2112), (1, 896), (1, 1408), (2, 896), (2, 1408)])
+@pytest.mark.parametrize("kind,n_kimi", [(0, 2112), (1, 896), (1, 1408), (2, 896), (2, 1408), (3, 4480), (4, 4480)])
 def test_addnorm_rows_batch1_equal_batch8(arch: str, kind: int, n_kimi: int) -> None:
-    """The residual add and norm after a world-size > 1 all-reduce in the prologue of the GEMM that
-    reads the normed rows (ops.gemm_addnorm: the q_a|kv_a GEMM; the shared gate|up + router at TP8 and
-    TP4, which stores the normed rows too, W4A8: and their int8 quant) at the Kimi shapes' tuned
-    configs: one numerics choice for every M, and a token's partials, new residual (normed row, codes
-    and scale) have the same bits alone and in a batch of 8 (with 64 and 128 rows' launch keys too)."""
+    """The residual add and norm (after a world-size > 1 all-reduce, or world size 1's o_proj) in the
+    prologue of the GEMM that reads the normed rows (ops.gemm_addnorm: the q_a|kv_a GEMM; the shared
+    gate|up + router at TP8 and TP4, storing the normed rows too, W4A8: and their int8 quant; at TP1
+    over o_proj's split-K partials, S of the arch) at the Kimi shapes' tuned configs: one numerics
+    choice for every M, and a token's partials, new residual (normed row, codes and scale) have the
+    same bits alone and in a batch of 8 (with 64 and 128 rows' launch keys too)."""
     from ops import gemm_addnorm
 
     g = torch.Generator().manual_seed(12)
@@ -383,13 +384,17 @@ def test_addnorm_rows_batch1_equal_batch8(arch: str, kind: int, n_kimi: int) -> 
     x, res = torch.randn(M, K, generator=g).bfloat16(), (torch.randn(M, K, generator=g) * 4).bfloat16()
     xw, w = torch.randn(K, generator=g).bfloat16(), (torch.randn(N, K, generator=g) * 0.2).bfloat16()
     kern = gemm_addnorm.KERNELS[kind]
-    flags = {"normed": kind == 1, "quant": kind == 2}
+    flags = {"normed": kind in (1, 3), "quant": kind in (2, 4)}
+    prob = {"N": n_kimi, "K": 7168}
+    if kind >= 3:                                        # o_proj's S split-K partials in (S of the arch's files)
+        prob["S"] = {"gfx942": 4, "gfx950": 2}[arch]
+        x = torch.randn(prob["S"], M, K, generator=g)
     trim = lambda c: {k: v for k, v in c.items() if k not in ("matrix_instr_nonkdim", "kpack", "waves_per_eu")}  # noqa: E731
-    cfg = {m: trim(invariant_config(kern, {"N": n_kimi, "K": 7168}, m, None, arch=arch)) for m in (1, 8, 64, 128)}
+    cfg = {m: trim(invariant_config(kern, prob, m, None, arch=arch)) for m in (1, 8, 64, 128)}
     assert len({str(_numerics(c, kern)) for c in cfg.values()}) == 1
     for t in (0, 5):
-        one = gemm_addnorm.gemm_bf16_addnorm(x[t:t + 1], res[t:t + 1], xw, w, 1e-6, config=cfg[1], partials=True,
-                                             **flags)
+        one = gemm_addnorm.gemm_bf16_addnorm(x[..., t:t + 1, :], res[t:t + 1], xw, w, 1e-6, config=cfg[1],
+                                             partials=True, **flags)
         for m in (8, 64, 128):
             many = gemm_addnorm.gemm_bf16_addnorm(x, res, xw, w, 1e-6, config=cfg[m], partials=True, **flags)
             assert torch.equal(many[0][:, t], one[0][:, 0])

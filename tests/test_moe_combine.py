@@ -269,7 +269,7 @@ def test_unfilled_intermediate_padding_rows_never_reach_outputs(fmt, path):
 
 
 @pytest.mark.slow
-def test_model_fused_moe_half_equals_unfused_chain(tmp_path_factory):
+def test_model_fused_moe_half_equals_unfused_chain(tmp_path_factory, monkeypatch):
     """KimiModel.step on triton (interpreter): the fused MoE half (rms_norm_quant in place ->
     experts with pre-quantized rows and partial rows -> combine_norm) against the same model
     forced onto the unfused chain (add_norm -> fused_experts -> moe_sum_ids -> + shared -> add_norm).
@@ -304,11 +304,18 @@ def test_model_fused_moe_half_equals_unfused_chain(tmp_path_factory):
             mlp.fused_block = lambda *a, **k: None           # the unfused chain, same kernels otherwise
     raw = KimiModel(tk, backend="triton", capture_ids=ids)   # no norm at the MoE end: it is in the next q_a|kv_a GEMM
     assert any(attn.takes_raw_rows for (_, attn, _, _) in raw.layers[1:])
+    first = KimiModel(tk, backend="triton", capture_ids=ids)  # and the post-attention add + norm in the shared
+    first.add_norm_in_gemm = True                             # gate|up + router GEMM (gemm_bf16_addnorm_splitk_y)
+    import ops.gemm_addnorm as addnorm
+
+    calls, run = [], addnorm.gemm_bf16_addnorm
+    monkeypatch.setattr(addnorm, "gemm_bf16_addnorm", lambda x, *a, **k: calls.append(x.dim()) or run(x, *a, **k))
     toks = [[5, 9, 2, 7], [3, 1]]
     outs = []
-    for m in (fused, plain, raw):
+    for m in (fused, plain, raw, first):
         c = m.new_cache(2, 16)
         outs.append(m.forward(c, [(0, toks[0]), (1, toks[1])], keep_hidden=True))
+    assert calls == [3, 3, 3]                 # `first` only, each MoE layer, over o_proj's split-K partials
     assert not fused.o_proj_counters.any()                  # every launch left its tickets at 0
     for a, b in zip(outs[0].logits, outs[1].logits):
         assert torch.equal(a, b)
@@ -322,6 +329,11 @@ def test_model_fused_moe_half_equals_unfused_chain(tmp_path_factory):
         torch.testing.assert_close(a, b, atol=0.25, rtol=0)
     for a, b in zip(outs[2].aux, outs[0].aux):
         torch.testing.assert_close(a, b, atol=0.25, rtol=0.05)
+    # the fixture's rows (64 wide) fit one NORM_K tile: the prologue's sums are the norm launch's, so the
+    # fused gate|up + router GEMM gives the default path's bits
+    for got, want in ((outs[3].logits, outs[2].logits), (outs[3].aux, outs[2].aux)):
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(outs[3].hidden, outs[2].hidden)
 
 
 def test_align_ids_in_the_expert_tile_padding_are_in_no_block():

@@ -304,6 +304,7 @@ def test_meta_forward_records_the_step():
     assert cfg.num_hidden_layers == 2 and cfg.hidden_size == 7168
     mode = HostShadowMode()
     model = build_model(cfg, "w4a8", mode)
+    model.add_norm_in_gemm = False                      # the chain: o_proj's partials, their norm, the GEMM
     rec = record_step(cfg, "w4a8", "gfx942", 1, 8192, 1, model, mode)
     names = [r.kernel.name for r in rec.launches]
     s1 = _w4a8_stage1("gfx942", 384, 2048, 1)          # the stage2_quant mode's stage 1 (tuned files' choice)
@@ -326,6 +327,13 @@ def test_meta_forward_records_the_step():
     assert fused.count("gemm_bf16_splitk_norm_quant") == 1 and fused.count("gemm_bf16_splitk_norm") == 1
     assert "rmsnorm_add_quant_splitk" not in fused and "rmsnorm_add_splitk" not in fused
     assert len(fused) == len(names) - 2
+    # the default ("auto", the tuned files: it pays for a batch-1 cache on gfx942): the post-attention add,
+    # norm and quant in the prologue of the shared gate|up + router GEMM, over o_proj's 4 partials
+    model.o_proj_norm, model.add_norm_in_gemm = "auto", "auto"
+    rec = record_step(cfg, "w4a8", "gfx942", 1, 8192, 1, model, mode)
+    first = [(r.kernel.name, r.dims.get("S")) for r in rec.launches]
+    assert ("gemm_bf16_addnorm_splitk_yq", 4) in first and len(first) == len(names) - 1
+    assert not {"rmsnorm_add_quant_splitk", "gemm_bf16_splitk_norm_quant"} & {n for n, _ in first}
 
 
 def test_meta_forward_mxfp4_experts():
@@ -417,11 +425,13 @@ def test_tp_layer_starts_with_the_add_norm_gemm_where_it_pays():
     # tune-model tunes both paths whichever the recorded step took (the chain's kernels launch elsewhere too)
     from bench.step import _with_add_norm_paths
 
-    assert [(k.name, p) for k, p, _ in _with_add_norm_paths([], cfg, 8, "w4a8")] == [
+    assert [(k.name, p) for k, p, _ in _with_add_norm_paths([], cfg, 8, "w4a8", "gfx942")] == [
         ("gemm_bf16_addnorm", {"N": 2112, "K": 7168}), ("gemm_bf16_addnorm_yq", {"N": 896, "K": 7168})]
-    assert [(k.name, p) for k, p, _ in _with_add_norm_paths([], cfg, 4, "w4a16")] == [
+    assert [(k.name, p) for k, p, _ in _with_add_norm_paths([], cfg, 4, "w4a16", "gfx942")] == [
         ("gemm_bf16_addnorm", {"N": 2112, "K": 7168}), ("gemm_bf16_addnorm_y", {"N": 1408, "K": 7168})]
-    assert _with_add_norm_paths([], cfg, 1, "w4a16") == []
+    for arch, s in (("gfx942", 4), ("gfx950", 2)):       # world size 1: o_proj's S partials in
+        assert [(k.name, p) for k, p, _ in _with_add_norm_paths([], cfg, 1, "w4a8", arch)] == [
+            ("rmsnorm_add_quant_splitk", {"D": 7168, "S": s}), ("gemm_bf16_addnorm_splitk_yq", {"N": 4480, "K": 7168, "S": s})]
 
 
 @pytest.mark.parametrize("experts,fused,norm", [("w4a16", "gemm_bf16_addnorm_y", "rmsnorm_add"),
@@ -487,11 +497,13 @@ def test_bench_step_json_and_plot(monkeypatch, capsys, tmp_path):
         # kernels at their floor plus the same gaps (no collectives at TP1): between the floor and the prediction
         assert s["launch_bound_ratio"] == pytest.approx((s["kernels_floor_us"] + s["gaps_us"]) / s["floor_us"])
         assert 1.0 < s["launch_bound_ratio"] < s["ratio"]
-        # W4A8 MoE layer: norm+quant, shared gate|up + router GEMM, route+align (one launch up to 4
-        # tokens), stage 1, quant (not with stage2_quant "amax", the tuned files' choice on gfx942 at
-        # q_len 1 and 4), stage 2, shared down, combine+norm, and the 6 MLA launches; the only
-        # MoE layer of this record also holds the dense layer's closing rmsnorm_add: 13 + 1
-        assert s["launches_per_layer"]["moe"]["kdsl"] == 14 and len(s["top"]) == 10
+        # W4A8 MoE layer: the shared gate|up + router GEMM with the post-attention norm+quant in its
+        # prologue (gemm_bf16_addnorm_splitk_yq: it pays for a batch-1 cache on gfx942),
+        # route+align (one launch up to 4 tokens), stage 1, quant (not with stage2_quant "amax", the
+        # tuned files' choice on gfx942 at q_len 1 and 4), stage 2, shared down, combine+norm, and the 6
+        # MLA launches; the only MoE layer of this record also holds the dense layer's closing
+        # rmsnorm_add: 12 + 1
+        assert s["launches_per_layer"]["moe"]["kdsl"] == 13 and len(s["top"]) == 10
         assert all(f["why"] in ("fallback", "no lookup") for f in s["fallbacks"])
         # the MoE half looks up and finds tuned configs for every launch (align kernels included)
         assert not {"moe_align_one", "moe_combine_norm", "rmsnorm_add_quant",
