@@ -288,8 +288,12 @@ def _pays_at(arch: str, N: int, K: int, bucket: int, normed: bool = False, quant
     from ops.norm import rmsnorm_add, rmsnorm_add_quant, rmsnorm_add_quant_splitk, rmsnorm_add_splitk
     from ops.splitk_norm import _figure
 
-    fused = _figure(kernel_for(normed, quant, splits > 0), arch, {"N": N, "K": K, **({"S": splits} if splits else {})},
-                    bucket)
+    kern = kernel_for(normed, quant, splits > 0)
+    prob = {"N": N, "K": K, **({"S": splits} if splits else {})}
+    if (normed or quant) and _split_count(kern, arch, prob) != _split_count(gemm_bf16_splitk_kernel, arch,
+                                                                            {"N": N, "K": K}):
+        return False   # the shared down GEMM's files are keyed by the chain's split count (S)
+    fused = _figure(kern, arch, prob, bucket)
     gemm = _figure(gemm_bf16_splitk_kernel, arch, {"N": N, "K": K}, bucket)
     if splits:
         norm = _figure(rmsnorm_add_quant_splitk if quant else rmsnorm_add_splitk, arch, {"D": K, "S": splits}, bucket)
@@ -300,13 +304,29 @@ def _pays_at(arch: str, N: int, K: int, bucket: int, normed: bool = False, quant
     return fused < gemm + norm + launch_gap_us(arch)
 
 
+def _split_count(kernel: Any, arch: str, problem: dict[str, int]) -> int | None:
+    """SPLIT_K of the kernel's tuned M=1 entry at `problem` (None: no file)."""
+    import warnings
+
+    from autotune.store import lookup_figures
+    from autotune import lookup_config
+
+    if lookup_figures(kernel, arch, problem, 1) is None:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return int(lookup_config(kernel, arch, problem, 1).get("SPLIT_K", 1))
+
+
 def addnorm_pays(arch: str, N: int, K: int, rows: int, normed: bool = False, quant: bool = False,
                  splits: int = 0) -> bool:
     """Whether a model whose decode and verify steps run at most `rows` rows (its cache's slots x
     the verify q_len, at most ops.splitk_norm.FUSED_SPAN) takes gemm_bf16_addnorm for every launch of
     up to `rows` rows (its _y / _yq variant: `normed` / `quant`; over `splits` split-K partials: the
     _splitk_ ones), by the tuned files (a host lookup on shapes):
-    True only if it is predicted faster than the chain at EVERY bucket up to `rows`. One answer for
+    True only if it is predicted faster than the chain at EVERY bucket up to `rows` (and, for the
+    gate|up + router forms, tuned at the chain GEMM's split count: the shared expert's down GEMM that
+    reads the partials has its files at that S). One answer for
     all of them: the fused prologue sums a row's squares in its own order (NORM_K, num_warps), not
     rmsnorm_add's, so a decode row and its verify row must take the same path. Every program re-reads its rows, so the
     fused launch loses at large M (a batch-32 verify): a deployment with that many rows keeps the

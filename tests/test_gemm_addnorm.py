@@ -238,3 +238,20 @@ def test_pays_only_where_every_bucket_pays():
             assert A.addnorm_pays(arch, 2112, 7168, r) == all(A._pays_at(arch, 2112, 7168, b)
                                                               for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= top)
     assert not A.addnorm_pays("gfx942", 2112, 7168 + 1, 8)               # no file for the shape
+
+
+def test_gate_up_forms_pay_only_at_the_chain_split(monkeypatch):
+    """A gate|up + router form tuned at another split count than the chain's gemm_bf16_splitk would
+    hand the shared down GEMM partials its files are not keyed by: the rule refuses it."""
+    from ops.gemm import gemm_bf16_splitk_kernel
+
+    assert A.addnorm_pays("gfx950", 896, 7168, 8, normed=True, quant=True)
+    real = A._split_count
+    monkeypatch.setattr(A, "_split_count", lambda k, a, p: 2 * real(k, a, p) if k is not gemm_bf16_splitk_kernel
+                        else real(k, a, p))
+    A._pays_at.cache_clear()
+    try:
+        assert not A.addnorm_pays("gfx950", 896, 7168, 8, normed=True, quant=True)
+        assert A.addnorm_pays("gfx950", 2112, 7168, 8)          # q_a|kv_a: its consumers take any split
+    finally:
+        A._pays_at.cache_clear()
