@@ -670,9 +670,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="world size 1: o_proj runs the residual-add norm in its last programs (KimiModel.o_proj_norm): "
                         "auto (where the tuned files say it pays, ops.splitk_norm.fused_pays), on, off (default auto)")
     p.add_argument("--add-norm-in-gemm", default="auto", choices=("auto", "on", "off"),
-                   help="--tp > 1: a layer's residual add and input norm run in its q_a|kv_a GEMM's prologue "
-                        "(KimiModel.add_norm_in_gemm): auto (where the tuned files say it pays for every size up to "
-                        "--batch x 8 rows, ops.mla.MAX_Q_LEN; ops.gemm_addnorm.addnorm_pays), on, off (default auto)")
+                   help="the residual adds and norms run in the prologue of the GEMM that reads the normed rows "
+                        "(KimiModel.add_norm_in_gemm: the post-attention one in the shared gate|up + router GEMM; "
+                        "with --tp > 1 also a layer's input norm in its q_a|kv_a GEMM): auto (where the tuned files "
+                        "say it pays for every size up to --batch x 8 rows, ops.mla.MAX_Q_LEN; "
+                        "ops.gemm_addnorm.addnorm_pays), on, off (default auto)")
     _add_draft_args(p)
     a = p.parse_args(argv)
     for flag, v, lo, hi in (("--batch", a.batch, 1, 4096), ("--ctx", a.ctx, 1, 1 << 22), ("--tp", a.tp, 1, 64),

@@ -599,10 +599,11 @@ class KimiModel:
         # and verify size (ops.splitk_norm.fused_pays), True always (up to the counters' rows), False never
         self.o_proj_norm = "auto"
         self.o_proj_counters = None       # its ticket counters: allocated once, below (triton, world size 1)
-        # world size > 1: the residual adds and norms after the all-reduces run in the prologue of the
-        # GEMM that reads the normed rows (the next q_a|kv_a; the shared gate|up + router) (ops.gemm_addnorm,
-        # one launch fewer each): "auto" where the tuned files say it pays at every size up to the
-        # cache's slots x MAX_Q_LEN rows (addnorm_pays), True, False
+        # the residual adds and norms run in the prologue of the GEMM that reads the normed rows: the
+        # post-attention one in the shared gate|up + router GEMM (world size 1: over o_proj's partials),
+        # at world size > 1 also the next layer's input norm in its q_a|kv_a GEMM (ops.gemm_addnorm, one
+        # launch fewer each): "auto" where the tuned files say it pays at every size up to the cache's
+        # slots x MAX_Q_LEN rows (addnorm_pays), True, False
         self.add_norm_in_gemm: bool | str = "auto"
         self.capture_ids = tuple(capture_ids) if capture_ids is not None else cfg.capture_layer_ids
         for i in self.capture_ids:
