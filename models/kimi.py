@@ -274,9 +274,9 @@ class _MoE:
         all-reduce and returns (its bf16 rows, the post-attention residual): the next attention's
         first GEMM adds them and norms (ops.gemm_addnorm), no rmsnorm_add launch. `add_first` (where
         `add_norm_shape`; at world size 1 over o_proj's split-K partials): the post-attention add and
-        norm run in the prologue of
-        the shared gate|up + router GEMM (gemm_bf16_addnorm_y / _yq, which also stores the normed rows
-        the routed experts read, W4A8: with their int8 quant), no rmsnorm_add(_quant) launch either."""
+        norm run in the prologue of the shared gate|up + router GEMM (gemm_bf16_addnorm_y / _yq, which
+        also stores the normed rows the routed experts read, W4A8: with their int8 quant), no
+        rmsnorm_add(_quant) launch either."""
         from ops.moe import MoEWeights, combine_add, combine_norm, combine_rank, expert_block_m, fused_experts
 
         if self.backend != "triton" or not isinstance(self.experts, MoEWeights) or h.dtype != torch.bfloat16 \

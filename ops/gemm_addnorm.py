@@ -1,4 +1,4 @@
-"""A GEMM with the residual add and the RMSNorm before it in its prologue (world size > 1).
+"""A GEMM with the residual add and the RMSNorm before it in its prologue.
 
 At world size > 1 a layer starts from the all-reduced output of the layer before (`x`, bf16 rows:
 the sum of the ranks) and the residual stream `res`. The two-launch chain is ops.norm.rmsnorm_add
@@ -12,7 +12,10 @@ the interpreter the output bits equal the chain's too). res_out must not alias `
 reads the whole row of `res` while the first column's programs write res_out.
 `gemm_bf16_addnorm_y` does the same for the MoE half's first GEMM (the shared expert's gate|up and
 the router, after the attention's all-reduce) and also stores the normed rows y (rmsnorm_add's
-`out`), the routed experts' input.
+`out`), the routed experts' input; `gemm_bf16_addnorm_yq` (W4A8 experts) also their per-token int8
+quant (rmsnorm_add_quant's). At world size 1 the MoE half starts from o_proj's split-K f32 partials:
+`gemm_bf16_addnorm_splitk_y` / `_splitk_yq` read those (rmsnorm_add(_quant)_splitk's residual sum).
+Which path the model takes: `addnorm_pays` (one answer per deployment, from the tuned files).
 """
 from __future__ import annotations
 
