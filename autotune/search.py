@@ -550,9 +550,11 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
         forced = forced or file_numerics(kernel, load_file(prior_path))
     if numerics is not None:
         forced = numerics
-    if forced is not None:  # every candidate takes the reference tile; only launch keys vary
-        for b in buckets:
-            spaces[b].candidates[:] = with_numerics(spaces[b].candidates, forced, kernel)
+    if forced is not None:  # every candidate takes the reference tile; only launch keys vary, within its rules
+        for b in buckets:       # (a kept ROW_SQUARES=0 tile admits no BLOCK_M under 16: kd.require)
+            cm = compile_m(kernel, prob, bucket_m(b), target)
+            spaces[b].candidates[:] = [c for c in with_numerics(spaces[b].candidates, forced, kernel)
+                                       if _traces(kernel, target, c, full_dims(kernel, prob, cm, c, target))]
     # unique compiles: (config, signature class of M)
     # round robin over the buckets, so a budget stop still leaves every bucket candidates
     jobs: dict[tuple, tuple[dict, dict]] = {}

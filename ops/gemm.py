@@ -291,8 +291,19 @@ def gemm_bf16_rmsnorm_kernel(x: kd.In["S", "M", "K", kd.f32], xw: kd.In["K", kd.
     mm, place = _mma_rows(m) if small else (m, 0)
     rstd = kd.rsqrt((_row_squares(x, m) if by_row else _tile_squares(x, m)) / kd.dim("K") + eps)
 
+    output_split_gemm(part, w, m, n, p, mm, place,
+                      lambda k: (splitk_rows(x, m, k) * rstd * xw[k].to(kd.f32)).to(kd.bf16))
+
+
+def output_split_gemm(part, w, m, n, p, mm, place, a_tile):
+    """part[p, m, n] = sum over the K range of output split p (gemm_bf16_splitk's ranges) of
+    a_tile(k) @ w[n, k]^T in f32: the main loop of the GEMMs that build their bf16 A tiles in a
+    prologue (gemm_bf16_rmsnorm, ops.gemm_addnorm). A tile of fewer than 16 rows (`mm`, `place`:
+    _mma_rows) sits at its own rows of the aligned 16 of the matrix dot; only m's rows are stored."""
+    small = m.size < MMA_ROWS
+
     def body(k, acc):
-        a = (splitk_rows(x, m, k) * rstd * xw[k].to(kd.f32)).to(kd.bf16)
+        a = a_tile(k)
         return acc + kd.dot(kd.pad(a, m, mm, offset=place) if small else a, w[n, k])
 
     bk = kd.tunable("BLOCK_K", BK_DOMAIN, 64)

@@ -27,8 +27,8 @@ import torch
 
 import kdsl as kd
 from ops._common import check_tensor, invariant_config
-from ops.gemm import (BK_DOMAIN, BN_DOMAIN, MMA_ROWS, NORM_BM_DOMAIN, NORM_K_DOMAIN, NORM_SPLIT_SEARCH, SPLIT_K_DOMAIN,
-                      _backend, _mma_rows, _partials, gemm_bf16_rmsnorm, splitk_sum_ref)
+from ops.gemm import (BN_DOMAIN, MMA_ROWS, NORM_BM_DOMAIN, NORM_K_DOMAIN, NORM_SPLIT_SEARCH, SPLIT_K_DOMAIN, _backend,
+                      _mma_rows, _partials, gemm_bf16_rmsnorm, output_split_gemm, splitk_sum_ref)
 from ops.norm import _partials_residual_sum, _residual_sum
 
 
@@ -95,7 +95,7 @@ def _addnorm_gemm(x, res, xw, w, part, res_out, eps, y=None, q=None, scale=None,
         sq = kd.maximum(vmax.to(kd.bf16).to(kd.f32), MIN_ABSMAX) / 127.0
         kd.store(scale, (m,), sq, mask=first & (p < 1))
 
-    def body(k, acc):
+    def a_tile(k):
         r = rsum(x, res, m, k)
         kd.store(res_out, (m, k), r, mask=first)
         a = (r.to(kd.f32) * rstd * xw[k].to(kd.f32)).to(kd.bf16)
@@ -104,18 +104,9 @@ def _addnorm_gemm(x, res, xw, w, part, res_out, eps, y=None, q=None, scale=None,
         if q is not None:
             code = _round_rne(kd.minimum(kd.maximum(a.to(kd.f32) / sq, -127.0), 127.0)).to(kd.i32).to(kd.i8)
             kd.store(q, (m, k), code, mask=first)
-        return acc + kd.dot(kd.pad(a, m, mm, offset=place) if small else a, w[n, k])
+        return a
 
-    bk = kd.tunable("BLOCK_K", BK_DOMAIN, 64)
-    K = kd.dim("K")
-    ks = kd.cdiv(kd.cdiv(K, kd.dim("P")), bk) * bk
-    k0 = p * ks
-    span = kd.tiles(start=k0, stop=kd.minimum(K, k0 + ks), block="BLOCK_K", domain=BK_DOMAIN, default=64, label="K")
-    acc = kd.fold(span, kd.zeros((mm, n), kd.f32), body)
-    if small:
-        kd.store(part, (p, mm, n), acc, mask=m.start <= mm)
-    else:
-        part[p, mm, n] = acc
+    output_split_gemm(part, w, m, n, p, mm, place, a_tile)
 
 
 @kd.kernel(name="gemm_bf16_addnorm", example={"P": 1, "M": 1, "N": 2112, "K": 7168})
