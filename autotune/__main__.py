@@ -230,6 +230,11 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
                 f"(re-tune)")
             stale += 1
         pm = model_for(k)
+        if pm.configs_of is not None:   # its launches run the base kernel's configs: its figures must be of those
+            moved = _configs_of_moved(k, pm.configs_of, doc, root, reg)
+            if moved:
+                log(f"STALE {path}: {moved} (re-tune it after {pm.configs_of}: python -m autotune tune {k.name} ...)")
+                stale += 1
         if pm.shared_numerics:  # a batch-invariant launch runs the M=1 lookup's numerics at any M (that of
             # its reference problem's file where it has one: a verify takes the decode's)
             with warnings.catch_warnings():
@@ -260,7 +265,8 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
                 for kn, arch, dims, cfg in jobs}
         for f in cf.as_completed(futs):
             r = f.result()
-            if not r.get("ok") or r.get("spills"):
+            # a configs_of kernel's spills are recorded, not chosen (its figures tell the op not to take it)
+            if not r.get("ok") or (r.get("spills") and model_for(reg[futs[f][0]]).configs_of is None):
                 for where, *_ in jobs[futs[f]]:
                     log(f"FAIL {where}: ok={r.get('ok')} spills={r.get('spills')} "
                         f"LDS={r.get('lds_bytes')}/{r.get('lds_limit')} " + "; ".join(r.get("errors", [])))
@@ -281,6 +287,28 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
                     stale += 1
     log(f"compiled {len(jobs)} distinct configs")
     return len(files), bad, stale
+
+
+def _configs_of_moved(kernel: Any, base_name: str, doc: dict[str, Any], root: str | None, reg: dict) -> str:
+    """Why a `configs_of` kernel's file no longer holds its base's configs ('' when it does): each
+    bucket's config must be the base file's at that bucket (the base was re-tuned, or is gone)."""
+    from .buckets import bucket_m
+    from .problems import strip_m
+    from .store import file_path, load_file, select_entry
+
+    base = reg[base_name]
+    path = file_path(base, doc["arch"], strip_m(base, doc["problem"]))
+    if root is not None and os.path.exists(os.path.join(root, doc["arch"], os.path.basename(path))):
+        path = os.path.join(root, doc["arch"], os.path.basename(path))
+    if not os.path.exists(path):
+        return f"no file of {base_name} at its problem ({path})"
+    bdoc = load_file(path, known_kernels=reg)
+    moved = []
+    for e in doc["entries"]:
+        be = select_entry(bdoc, bucket_m(e["bucket"]))
+        if be is None or any(e["config"].get(k) != v for k, v in be["config"].items()):
+            moved.append(e["bucket"])
+    return f"buckets {moved} hold other configs than {path}" if moved else ""
 
 
 def cmd_check(a: argparse.Namespace) -> int:
@@ -469,11 +497,15 @@ def cmd_tune_model_draft(a: argparse.Namespace) -> int:
 
 
 def _takes_numerics_from_another(kernel: Any, prob: dict[str, Any]) -> bool:
-    """Whether `prob` runs with another problem's numerics keys (a verify's q_len-1 decode file):
-    those reference problems are tuned first (a stable sort keeps the rest in step order)."""
+    """Whether `prob` runs with another problem's numerics keys (a verify's q_len-1 decode file) or
+    another kernel's configs (`configs_of`): those reference problems are tuned first (a stable
+    sort keeps the rest in step order)."""
     from .problems import model_for, strip_m
 
-    ref = model_for(kernel).numerics_ref
+    pm = model_for(kernel)
+    if pm.configs_of is not None:   # runs its base kernel's tuned configs: tuned after it
+        return True
+    ref = pm.numerics_ref
     return ref is not None and strip_m(kernel, ref(dict(prob))) != strip_m(kernel, prob)
 
 
@@ -483,6 +515,7 @@ def _tune_problems(a: argparse.Namespace, probs: list, out: str | None, ms: list
     extend: M >= 4) are never used, and a launch whose own M outgrows the step's tokens (routed pairs)
     gets the ladder's buckets up to its largest M as well; one problem failing does not stop the others."""
     from .buckets import LADDER, bucket_for
+    from .problems import model_for
     from .search import tune
     from .store import file_path, load_file
 
@@ -492,6 +525,8 @@ def _tune_problems(a: argparse.Namespace, probs: list, out: str | None, ms: list
         if only and kern.name not in only:
             continue
         lo = bucket_for(max(1, m_min))       # the extend's launches (q_len k+1) never run below M = k+1
+        if model_for(kern).configs_of is not None:   # its figures decide at any M whether it runs: all buckets
+            lo = 1
         want = [m for m in ms if m == ANY or bucket_for(m) >= lo] or [lo, ANY]
         hi = bucket_for(max([top, *m_max]))
         extra = [b for b in LADDER if top < b and (hi == ANY or b <= hi) and b >= lo and b not in want]

@@ -465,6 +465,36 @@ def _traces(kernel: Any, target: Target, config: dict[str, Any], dims: dict[str,
     return True
 
 
+def _configs_of_spaces(kernel: Any, base_name: str, target: Target, prob: dict[str, Any], buckets: list,
+                       spaces: dict, out: str | None) -> list:
+    """A `configs_of` kernel's candidates: at each bucket only the config the base kernel's tuned file
+    (under `out`, else the package's) holds there, where this kernel's rules admit it; returns the
+    buckets that have one (a ValueError when none: tune the base first)."""
+    from kdsl.kernel import REGISTRY
+
+    from .store import load_file, select_entry
+
+    base = REGISTRY[base_name]
+    bprob = strip_m(base, prob)
+    path = file_path(base, target.name, bprob)
+    if out and os.path.exists(os.path.join(out, target.name, os.path.basename(path))):
+        path = os.path.join(out, target.name, os.path.basename(path))
+    if not os.path.exists(path):
+        raise ValueError(f"{kernel.name} runs {base_name}'s tuned configs: no file {path} (tune {base_name} first)")
+    doc = load_file(path)
+    kept = []
+    for b in buckets:
+        e = select_entry(doc, bucket_m(b))
+        cfg = dict(e["config"]) if e is not None and e["bucket"] == b else None
+        ok = cfg is not None and _traces(kernel, target, cfg, full_dims(kernel, prob, bucket_m(b), cfg, target))
+        spaces[b].candidates[:] = [cfg] if ok else []
+        if ok:
+            kept.append(b)
+    if not kept:
+        raise ValueError(f"{kernel.name}: none of the buckets {buckets} has a config in {path} that it admits")
+    return kept
+
+
 def parse_ms(items: list[Any]) -> list[int | str]:
     """M values or buckets (ints, "any") -> sorted distinct buckets."""
     out = set()
@@ -532,9 +562,11 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     prior_path = file_path(kernel, target.name, prob)
     if out and os.path.exists(os.path.join(out, target.name, os.path.basename(prior_path))):
         prior_path = os.path.join(out, target.name, os.path.basename(prior_path))
-    priors = _prior_configs(kernel, target, static, prior_path)
-    for other in _warm_start_files(kernel, target, prob, out):
+    priors = _prior_configs(kernel, target, static, prior_path) if pm.configs_of is None else []
+    for other in _warm_start_files(kernel, target, prob, out) if pm.configs_of is None else ():
         priors += [c for c in _prior_configs(kernel, target, static, other) if c not in priors]
+    if pm.configs_of is not None:  # nothing searched: the base kernel's config at each bucket
+        buckets = _configs_of_spaces(kernel, pm.configs_of, target, prob, buckets, spaces, out)
     options = {o.name for o in target.options}
     for b in buckets:
         for c in priors:
@@ -592,14 +624,14 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     # where the buckets pick independently, each one's best tries the model's launch_keys the same way
     # (lowering choices that change no bit, e.g. the int4 unpack of the exact W4A8 stages)
     if shared is None:
-        tun = () if pm.shared_numerics else tuple(n for n in pm.launch_keys
-                                                  if all(n in spaces[b].domains for b in buckets))
+        tun = () if pm.shared_numerics or pm.configs_of is not None else \
+            tuple(n for n in pm.launch_keys if all(n in spaces[b].domains for b in buckets))
     if tun and not budget_hit:
         first = _launch_polish(kernel, target, prob, scored_prob, buckets, spaces, jobs, reports, shared, tun)
         jobs.update(first)
         budget_hit = _compile(kernel, target, first, reports, workers, deadline, progress)
-    polish = {} if budget_hit else _launch_polish(kernel, target, prob, scored_prob, buckets, spaces, jobs, reports,
-                                                    shared)
+    polish = {} if budget_hit or pm.configs_of is not None else \
+        _launch_polish(kernel, target, prob, scored_prob, buckets, spaces, jobs, reports, shared)
     if polish:
         jobs.update(polish)
         budget_hit = _compile(kernel, target, polish, reports, workers, deadline, progress)
@@ -613,7 +645,7 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
         if shared is None:
             pool = list(spaces[b].candidates)
             seen = {_cfg_key(c) for c in pool}
-            for key, (c, _) in jobs.items():
+            for key, (c, _) in jobs.items() if pm.configs_of is None else ():
                 if key[0] not in seen and spaces[b].admits(c):
                     pool.append(c)
                     seen.add(key[0])

@@ -138,7 +138,8 @@ def _with_add_norm_paths(probs: list[tuple[Any, dict[str, Any], int]], cfg: Any,
     """`probs` plus, at world size > 1, gemm_bf16_addnorm at the q_a|kv_a shape, and (any world size)
     gemm_bf16_addnorm_y (W4A8: _yq; world size 1: the _splitk_ forms) at the shared gate|up + router
     shape (2 x the shared intermediate / tp + the routed experts; world size 1: at o_proj's split
-    count S on `arch`): the model takes them or the
+    count S on `arch`) and its _route form at each moe_route_align problem (and the other way round): the
+    model takes them or the
     chains (rmsnorm_add(_quant)(_splitk) + gemm_bf16_splitk, also launched elsewhere in the step) from the files of both
     (`ops.gemm_addnorm.addnorm_pays`), so a step recorded before their files exist (the chains)
     must still get them tuned."""
@@ -161,6 +162,16 @@ def _with_add_norm_paths(probs: list[tuple[Any, dict[str, Any], int]], cfg: Any,
             add(rmsnorm_add_quant_splitk if experts == "w4a8" else rmsnorm_add_splitk,
                 {"D": cfg.hidden_size, "S": prob["S"]}, 1)
         add(kernel_for(True, experts == "w4a8", tp == 1), prob, 1)
+        # its route-tail form at each routing problem of the step, and the routing launch where the record
+        # took the tail (ops.gemm_addnorm.route_tail_pays reads the figures of both)
+        from ops.moe import moe_route_align, moe_route_align_local
+
+        for k, p, _ in probs:
+            if k.name in ("moe_route_align", "moe_route_align_local"):
+                add(kernel_for(True, experts == "w4a8", tp == 1, route=True), {**prob, **p}, 1)
+            elif k.name.startswith("gemm_bf16_addnorm") and k.name.endswith("_route"):
+                rp = {d: p[d] for d in ("E", "TOPK", "NG", "EA", "BM")}
+                add(moe_route_align_local if rp["EA"] < rp["E"] else moe_route_align, rp, 1)
     return out
 
 
@@ -270,14 +281,15 @@ def _with_o_proj_tail_paths(probs: list[tuple[Any, dict[str, Any], int]], arch: 
 
 def _problems(recs: list[StepRecord], batch: int, largest: bool = False) -> list[tuple[Any, dict[str, Any], int]]:
     """Distinct (kernel, keyed problem, smallest per-sequence M; `largest`: the largest M over
-    `batch`) of the recorded steps' launches whose op looked up a tuned config."""
-    from autotune.problems import m_of, strip_m
+    `batch`) of the recorded steps' launches whose op looked up a tuned config (or its base kernel's:
+    `configs_of`)."""
+    from autotune.problems import m_of, model_for, strip_m
 
     out: dict[tuple, tuple[Any, dict[str, Any], int]] = {}
     for rec in recs:
         looked = {e["kernel"] for e in rec.lookups}
-        for r in rec.launches:
-            if r.kernel.name not in looked:
+        for r in rec.launches:   # a configs_of kernel runs its base's looked-up config: its figures have a file
+            if r.kernel.name not in looked and model_for(r.kernel).configs_of not in looked:
                 continue
             p = strip_m(r.kernel, r.dims)
             key = (r.kernel.name, json.dumps(p, sort_keys=True))
@@ -411,7 +423,7 @@ def cost_step(rec: StepRecord, cfg: Any, arch: str, ctx: int, gap: str = "graph"
     `ep_experts`: an expert-parallel rank (the routed experts of all ranks together): its MoE
     stages and combine are costed for the rank's expected share of the routed rows (EP_ROUTING)."""
     from autotune import costmodel
-    from autotune.problems import key_dims, m_of
+    from autotune.problems import key_dims, m_of, model_for
     from autotune.search import score
     from kdsl.targets import get_target
 
@@ -436,7 +448,8 @@ def cost_step(rec: StepRecord, cfg: Any, arch: str, ctx: int, gap: str = "graph"
             bound = fig.get("bound", "")
         except Exception as e:  # noqa: BLE001 - a launch the model cannot score is shown, not dropped
             pred, floor, bound = math.nan, math.nan, f"unscored: {type(e).__name__}: {e}"[:80]
-        looks = [e for e in rec.lookups if e["kernel"] == k.name and e["launch_index"] is not None
+        names = (k.name, model_for(k).configs_of)      # a configs_of kernel runs its base's looked-up config
+        looks = [e for e in rec.lookups if e["kernel"] in names and e["launch_index"] is not None
                  and e["launch_index"] <= i]
         tuned = "no lookup" if not looks else ("tuned" if looks[-1]["hit"] else "fallback")
         keys = key_dims(k, prob) or sorted(prob)
@@ -675,6 +688,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                         "with --tp > 1 also a layer's input norm in its q_a|kv_a GEMM): auto (where the tuned files "
                         "say it pays for every size up to --batch x 8 rows, ops.mla.MAX_Q_LEN; "
                         "ops.gemm_addnorm.addnorm_pays), on, off (default auto)")
+    p.add_argument("--route-in-gemm", default="auto", choices=("auto", "on", "off"),
+                   help="where the shared gate|up + router GEMM adds and norms its rows, its last program also "
+                        "routes a decode or verify step's tokens instead of moe_route_align's launch "
+                        "(KimiModel.route_in_gemm): auto (where the tuned files say it pays at the step's rows, "
+                        "ops.gemm_addnorm.route_tail_pays), on, off (default auto)")
     _add_draft_args(p)
     a = p.parse_args(argv)
     for flag, v, lo, hi in (("--batch", a.batch, 1, 4096), ("--ctx", a.ctx, 1, 1 << 22), ("--tp", a.tp, 1, 64),
@@ -722,6 +740,7 @@ def main(argv: list[str] | None = None) -> int:
     log = (lambda m: print(m, file=sys.stderr)) if a.json else (lambda m: print(m, flush=True))
     doc: dict[str, Any] = {"config": a.config, "batch": a.batch, "ctx": a.ctx, "tp": a.tp, "gap": a.gap,
                            "o_proj_norm": a.o_proj_norm, "add_norm_in_gemm": a.add_norm_in_gemm,
+                           "route_in_gemm": a.route_in_gemm,
                            "layers": full.num_hidden_layers, "layers_recorded": cfg.num_hidden_layers,
                            "assumptions": {"launch_gap_us": costmodel.LAUNCH_GAP_US,
                                            "allreduce_latency_us_bw_gbps": ALLREDUCE,
@@ -741,6 +760,7 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(cfg, fmt, mode, a.tp, a.moe_parallel)
         model.o_proj_norm = {"auto": "auto", "on": True, "off": False}[a.o_proj_norm]
         model.add_norm_in_gemm = {"auto": "auto", "on": True, "off": False}[a.add_norm_in_gemm]
+        model.route_in_gemm = {"auto": "auto", "on": True, "off": False}[a.route_in_gemm]
         log(f"built {fmt} model ({cfg.num_hidden_layers} layers) on meta in {time.time() - t0:.1f}s")
         for arch in a.archs:
             for ql in a.qls:

@@ -111,7 +111,8 @@ class Kernel:
 
     def __init__(self, fn: Callable, name: str | None = None, static: Iterable[str] = (),
                  checks: Iterable[tuple[str, Callable[[dict[str, int]], bool], str]] = (),
-                 example: dict[str, int] | None = None, doc: str | None = None) -> None:
+                 example: dict[str, int] | None = None, doc: str | None = None,
+                 contiguous: Iterable[str] | bool = ()) -> None:
         self.fn = fn
         self.name = name or fn.__name__
         self.static = tuple(static)
@@ -119,9 +120,15 @@ class Kernel:
         self.example = dict(example or {})
         self.doc = doc or (inspect.getdoc(fn) or "").split("\n")[0]
         self.signature = self._parse_signature(fn)
+        self.contiguous = tuple(self.signature.operands if contiguous is True else contiguous or ())
         for d in self.static:
             if d not in self.signature.all_dims():
                 raise ConfigError(self.name, d, f"static dim {d!r} is not a dim of any parameter")
+        for n in self.contiguous:
+            op = self.signature.operands.get(n)
+            if op is None or isinstance(op.dtype, T.Int4) or T.is_fp4(op.dtype):
+                raise ConfigError(self.name, n, "contiguous names operands of unpacked dtypes (the kernel takes "
+                                  "their strides from their dims)")
         self._specs: dict[Any, Specialization] = {}
         self._launchers: dict[tuple, Callable[[tuple], Specialization]] = {}
         self._dispatch = _dispatch_fn(self)
@@ -166,8 +173,13 @@ class Kernel:
                     op = sig.operands[pname]
                     dt = resolve_dtype(op.dtype, target)
                     c.params.append(Param(f"{pname}_ptr", f"*{dt.sig}", "ptr", pname))
-                    strides = []
+                    strides: list[Any] = []
                     for i in range(len(op.dims)):
+                        if pname in self.contiguous and all(d in static for d in op.dims[i + 1:]):
+                            # a contiguous operand's stride from static dims: a constant, no argument
+                            # (no scalar register live through the kernel)
+                            strides.append(math.prod(static[d] for d in op.dims[i + 1:]))
+                            continue
                         # strides stay i32 parameters (a stride past 2^31 is passed as i64 by the
                         # JIT); the 64-bit products of wide dims cast them in the generated code
                         sv = Value(T.i32, (), hint="s")
@@ -375,6 +387,9 @@ class Kernel:
                     raise LaunchError(self.name, pname, f"shape mismatch on dim {d}: {how} = {n} but {src[d]} = {dims[d]}")
                 dims.setdefault(d, n)
                 src.setdefault(d, how)
+            if pname in self.contiguous and not t.is_contiguous():
+                raise LaunchError(self.name, pname, f"must be contiguous (the kernel takes its strides from its "
+                                                    f"dims), got strides {tuple(t.stride())}")
             if t.numel() and t.stride(-1) != 1 and isinstance(op.dtype, T.Int4):
                 raise LaunchError(self.name, pname, "packed int4 words must be contiguous along the last dim")
             if t.numel() and t.stride(-1) != 1 and T.is_fp4(op.dtype):
@@ -616,11 +631,14 @@ def _current() -> Target:
 
 def kernel(fn: Callable | None = None, *, name: str | None = None, static: Iterable[str] = (),
            checks: Iterable[tuple[str, Callable[[dict[str, int]], bool], str]] = (),
-           example: dict[str, int] | None = None) -> Any:
+           example: dict[str, int] | None = None, contiguous: Iterable[str] | bool = ()) -> Any:
     """Declare a tile program. `static` dims are specialized at trace time (head dims, group
     sizes); `checks` are launch-time rules over the bound dims; `example` is the problem that
-    `show` and reports use when none is given (a Kimi-K2.5 shape for the ops here)."""
+    `show` and reports use when none is given (a Kimi-K2.5 shape for the ops here). `contiguous`
+    operands (True: all) must be contiguous at launch: their strides along dims followed only by static dims
+    are constants of the generated code, not arguments (fewer scalar registers held through the
+    kernel)."""
     def wrap(f: Callable) -> Kernel:
-        return Kernel(f, name=name, static=static, checks=checks, example=example)
+        return Kernel(f, name=name, static=static, checks=checks, example=example, contiguous=contiguous)
 
     return wrap(fn) if fn is not None else wrap

@@ -26,7 +26,7 @@ concatenated in list order to [T, len(ids) * H].
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -37,6 +37,9 @@ from models.layers import MLP, Linear, NormTail, PendingGemm, RMSNorm, act_dtype
 from models.loader import Checkpoint, stack_experts
 from models.parallel import Comm, single
 from models.step import RopeTable, StepCtx, advance, make_ctx, paged_rows, visibility
+
+if TYPE_CHECKING:
+    from ops.gemm_addnorm import RouteTail
 
 __all__ = ["KimiModel", "TargetOutput", "StepOutput", "RoutingTrace", "default_device"]
 
@@ -233,6 +236,32 @@ class _MoE:
             return ids.contiguous(), w.contiguous()
         return ids.contiguous(), w.contiguous(), (tuple(aligned) if aligned else None)
 
+    def _route_tail(self, rows: int, splits: int) -> Optional["RouteTail"]:
+        """The routing the shared gate|up + router GEMM runs in its last program for `rows` tokens
+        (ops.gemm_addnorm.RouteTail; the owner's `route_in_gemm`, "auto": where route_tail_pays at
+        rows' bucket; `splits`: its split-K partials in, 0 for rows): Triton routing of MoEWeights
+        experts, neither recorded nor replayed (RoutingTrace), few enough tokens for one program
+        (route_tail_fits); else None (route_align's own launch)."""
+        from ops.gemm_addnorm import RouteTail, route_tail_fits, route_tail_pays
+        from ops.moe import MoEWeights, expert_block_m
+
+        c, E = self.moe_cfg, self.cfg.n_routed_experts
+        mode = getattr(self.owner, "route_in_gemm", False) if self.owner is not None else False
+        if self.gate_shared is None or not isinstance(self.experts, MoEWeights) or mode is False \
+                or self.owner.routing is not None or not route_tail_fits(rows, E, c.top_k):
+            return None
+        bm = expert_block_m(self.experts, c.top_k, rows)
+        if mode == "auto":
+            from kdsl.targets import current_target
+
+            if not route_tail_pays(current_target().name, *self.gate_shared.shape, rows, self.add_norm_quant, splits,
+                                   E, c.top_k, c.n_group, len(self.local), bm):
+                return None
+        split = len(self.local) != E
+        return RouteTail(self.bias, c.top_k, bm, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor,
+                         self.cfg.scoring_func, (self.local.start, len(self.local)) if split else None,
+                         self.owner.route_counter)
+
     @property
     def add_norm_shape(self) -> Optional[tuple[int, int]]:
         """(N, K) of the shared gate|up + router GEMM where `fused_block` can run the post-attention
@@ -282,17 +311,22 @@ class _MoE:
         if self.backend != "triton" or not isinstance(self.experts, MoEWeights) or h.dtype != torch.bfloat16 \
                 or not h.is_contiguous():
             return None
-        both = xq = None
+        both = xq = routed = None
         if add_first and self.add_norm_shape is not None:   # the add and norm in the GEMM's prologue
             from ops.gemm_addnorm import gemm_bf16_addnorm
 
             src = a.partials() if isinstance(a, PendingGemm) else a      # world size 1: o_proj's partials
             if src.dim() == 2:
                 src = src.to(torch.bfloat16).contiguous()
+            tail = self._route_tail(h.shape[0], src.shape[0] if src.dim() == 3 else 0)   # and the routing
             out = gemm_bf16_addnorm(src, h, n2.w, self.gate_shared, n2.eps, partials=True, normed=True,
-                                    quant=self.add_norm_quant)
+                                    quant=self.add_norm_quant, route=tail)
             both, h, x = out[:3]
-            xq = out[3:] if self.add_norm_quant else None
+            q = 3 + 2 * int(self.add_norm_quant)
+            xq = out[3:q] if self.add_norm_quant else None
+            if tail is not None:
+                ids, w, *aligned = out[q:]
+                routed = (ids, w, tuple(aligned))
         elif self.experts.fmt == "w4a8":
             x8, xs, x, h = n2.add_norm_quant(a, h)
             xq = (x8, xs)
@@ -306,8 +340,8 @@ class _MoE:
                 both = gemm_bf16_splitk(x, self.gate_shared, backend="triton")     # [S, T, 2I + E] f32
             n_gu = self.gate_shared.shape[0] - self.gate.shape[0]
             shared_part, logits = both[..., :n_gu], both[..., n_gu:]
-        ids, w, aligned = self._routed_ids(x, block_m=expert_block_m(self.experts, self.moe_cfg.top_k, x.shape[0]),
-                                           logits=logits)
+        ids, w, aligned = routed or self._routed_ids(x, block_m=expert_block_m(self.experts, self.moe_cfg.top_k,
+                                                                                x.shape[0]), logits=logits)
         part = fused_experts(x, ids, w, self.experts, backend="triton", check_ids=False, xq=xq, partials=True,
                              aligned=aligned)
         if self.comm.world == 1 and raw_next and shared_part is not None and \
@@ -605,6 +639,11 @@ class KimiModel:
         # launch fewer each): "auto" where the tuned files say it pays at every size up to the cache's
         # slots x MAX_Q_LEN rows (addnorm_pays), True, False
         self.add_norm_in_gemm: bool | str = "auto"
+        # ... and where the post-attention one does, the routing of a decode or verify step's few tokens
+        # runs in that GEMM's last program (ops.gemm_addnorm.RouteTail: the same bits as moe_route_align,
+        # one launch fewer): "auto" where the tuned files say it pays at the step's rows
+        # (route_tail_pays), True, False (moe_route_align's own launch)
+        self.route_in_gemm: bool | str = "auto"
         self.capture_ids = tuple(capture_ids) if capture_ids is not None else cfg.capture_layer_ids
         for i in self.capture_ids:
             if not 1 <= i <= cfg.num_hidden_layers:
@@ -631,6 +670,8 @@ class KimiModel:
         self.lm_head = Linear("lm_head", head, backend, dtype, dev)
         self.rope_scaling = rope_scaling_dict(cfg.rope_scaling)
         self.rope = RopeTable(cfg.qk_rope_head_dim, cfg.rope_theta, self.rope_scaling, dev)
+        # the route tail's ticket counter (route_in_gemm), allocated here: before any graph capture
+        self.route_counter = torch.zeros(1, dtype=torch.int32, device=dev) if backend == "triton" else None
         if backend == "triton" and self.comm.world == 1:
             from ops.splitk_norm import counters_for
 

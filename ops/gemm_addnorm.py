@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ import kdsl as kd
 from ops._common import check_tensor, invariant_config
 from ops.gemm import (BN_DOMAIN, MMA_ROWS, NORM_BM_DOMAIN, NORM_K_DOMAIN, NORM_SPLIT_SEARCH, SPLIT_K_DOMAIN, _backend,
                       _mma_rows, _partials, gemm_bf16_rmsnorm, output_split_gemm, splitk_sum_ref)
+from ops.moe import route_and_align
 from ops.norm import _partials_residual_sum, _residual_sum
 
 
@@ -67,7 +69,7 @@ def _row_absmax(x, res, xw, m, rstd, stop, rsum):
     return kd.fold(kd.indices(stop, start=m.start, label="qrow"), kd.zeros((m,), kd.f32), row)
 
 
-def _addnorm_gemm(x, res, xw, w, part, res_out, eps, y=None, q=None, scale=None, rsum=_residual_sum):
+def _addnorm_gemm(x, res, xw, w, part, res_out, eps, y=None, q=None, scale=None, rsum=_residual_sum, tail=None):
     """The kernels' body: part[p] = bf16(rmsnorm(r) * xw)[:, Kp] @ w[:, Kp]^T in f32 over the K range
     Kp of output split p (gemm_bf16_splitk's ranges), r = bf16(x + res) (`rsum`: x bf16 rows, or
     _partials_residual_sum: x split-K partials, bf16(bf16(their sum) + res)); res_out = r (and y = the
@@ -77,7 +79,8 @@ def _addnorm_gemm(x, res, xw, w, part, res_out, eps, y=None, q=None, scale=None,
     own place of the aligned 16 of the matrix dot), then scales each A tile by rstd * xw and rounds
     it to bf16 before the dot: rmsnorm_add's expressions. With q, the first column's programs also
     take each row's absmax in a second pass over the row (rmsnorm_add_quant's scale, absmax/127,
-    and RNE codes; the other programs run no iteration of it)."""
+    and RNE codes; the other programs run no iteration of it). `tail(m, n, part)`: work after the
+    main loop (the route kernels' `_route_tail`, passed in so that the base kernels reach none of it)."""
     kd.tunable("SPLIT_K", SPLIT_K_DOMAIN, 1, "output splits along K (the P dim of part): more programs",
                search=NORM_SPLIT_SEARCH)
     m, n, p = kd.grid(kd.tile("M", "BLOCK_M", domain=NORM_BM_DOMAIN, default=16),
@@ -107,6 +110,53 @@ def _addnorm_gemm(x, res, xw, w, part, res_out, eps, y=None, q=None, scale=None,
         return a
 
     output_split_gemm(part, w, m, n, p, mm, place, a_tile)
+    if tail is not None:
+        tail(m, n, part)
+
+
+class _RouterColumns:
+    """The router logits [P, M, E] as the last E columns of the partials part [P, M, N] (a view, not
+    an operand: fewer kernel arguments, whose scalar registers the main loop needs)."""
+
+    def __init__(self, part):
+        self.part, self.splits = part, kd.dim("P")
+        self.first = kd.dim("N") - kd.static("E")
+
+    def __getitem__(self, idx):
+        s, m, e = idx
+        return self.part[s, m, e + self.first]
+
+
+class _Segment:
+    """`n` elements of a packed i32 operand from `off` on, stored like an operand of their own (every
+    store masked to the segment): the route tail's block map and sorted slots share one operand."""
+
+    def __init__(self, op, off, n):
+        self.op, self.off, self.n = op, off, n
+
+    def __setitem__(self, idx, value):
+        self.op.store(idx + self.off, value=value, mask=idx < self.n)
+
+    def store(self, idx, value, mask=None):
+        inside = idx < self.n
+        self.op.store(idx + self.off, value=value, mask=inside if mask is None else mask & inside)
+
+
+def _route_tail(m, n, part, bias, ids, wts, aligned, counters, scale, lo):
+    """The MoE routing of the M tokens, after the grid, by its last program (`kd.atomic_ticket` on
+    counters[0], left at 0 for the next launch): ops.moe.route_and_align over the router columns of
+    the partials every program stored (the last E of N), the same ids, weights, block map and sorted
+    slots (both in `aligned`: NB block experts, then SL slots) as `moe_route_align(_local)` (the same
+    helper), one launch and gap fewer. The tail's arguments are few and its dims compile-time (N, K,
+    P too): the scalar registers of kernel arguments stay live through the main loop, and gfx942's
+    _splitk_y spilled them with a pointer per output."""
+    programs = kd.cdiv(kd.dim("M"), m.size) * kd.cdiv(kd.dim("N"), n.size) * kd.dim("P")
+    ticket = kd.atomic_ticket(counters, [0])
+    kd.exit_if(ticket != programs - 1)
+    counters[0] = 0
+    nb = kd.static("NB")
+    route_and_align(_RouterColumns(part), bias, ids, wts, _Segment(aligned, 0, nb),
+                    _Segment(aligned, nb, kd.static("SL")), scale, lo, slots="SL")
 
 
 @kd.kernel(name="gemm_bf16_addnorm", example={"P": 1, "M": 1, "N": 2112, "K": 7168})
@@ -161,15 +211,148 @@ def gemm_bf16_addnorm_splitk_yq_kernel(x: kd.In["S", "M", "K", kd.f32], res: kd.
     _addnorm_gemm(x, res, xw, w, part, res_out, eps, y, q, scale, rsum=_partials_residual_sum)
 
 
+# the route tail's operands and dims (ops.moe.moe_route_align's; SL: sorted_ids' slots, AL = NB + SL:
+# the packed block map and slots, C: counters)
+_ROUTE_STATIC = ("E", "TOPK", "NG", "TOPKG", "NORM", "SOFTMAX", "EA", "BM", "MB", "N", "K", "P", "NB", "SL", "AL", "C")
+_ROUTE_EXAMPLE = {"E": 384, "TOPK": 8, "NG": 1, "TOPKG": 1, "NORM": 1, "SOFTMAX": 0, "EA": 384, "BM": 16,
+                  "MB": 1, "NB": 9, "SL": 144, "AL": 153, "C": 1}
+_ROUTE_CHECKS = (("bias", lambda d: d["E"] <= d["N"], "the router columns are the last E of the N outputs"),
+                 ("aligned", lambda d: d["AL"] == d["NB"] + d["SL"], "aligned holds the block map, then the slots"),
+                 ("MB", lambda d: d["M"] <= d["MB"], "MB (the token tile) must cover M"))
+
+
+@kd.kernel(name="gemm_bf16_addnorm_y_route", static=_ROUTE_STATIC, checks=_ROUTE_CHECKS, contiguous=True,
+           example={"P": 1, "M": 1, "N": 896, "K": 7168, **_ROUTE_EXAMPLE})
+def gemm_bf16_addnorm_y_route_kernel(
+        x: kd.In["M", "K", kd.bf16], res: kd.In["M", "K", kd.bf16], xw: kd.In["K", kd.bf16],
+        w: kd.In["N", "K", kd.bf16], part: kd.Out["P", "M", "N", kd.f32], res_out: kd.Out["M", "K", kd.bf16],
+        y: kd.Out["M", "K", kd.bf16], bias: kd.In["E", kd.f32], ids: kd.Out["M", "TOPK", kd.i32],
+        wts: kd.Out["M", "TOPK", kd.f32], aligned: kd.Out["AL", kd.i32], counters: kd.InOut["C", kd.i32],
+        NB: kd.Dim, SL: kd.Dim, NG: kd.Dim, TOPKG: kd.Dim, NORM: kd.Dim, SOFTMAX: kd.Dim, EA: kd.Dim, BM: kd.Dim,
+        MB: kd.Dim, eps: kd.Scalar[kd.f32], rscale: kd.Scalar[kd.f32], lo: kd.Scalar[kd.i32]):
+    """gemm_bf16_addnorm_y whose last program then routes and aligns the tokens (`_route_tail`)."""
+    _addnorm_gemm(x, res, xw, w, part, res_out, eps, y,
+                  tail=lambda m, n, part: _route_tail(m, n, part, bias, ids, wts, aligned, counters, rscale, lo))
+
+
+@kd.kernel(name="gemm_bf16_addnorm_yq_route", static=_ROUTE_STATIC, checks=_ROUTE_CHECKS, contiguous=True,
+           example={"P": 1, "M": 1, "N": 896, "K": 7168, **_ROUTE_EXAMPLE})
+def gemm_bf16_addnorm_yq_route_kernel(
+        x: kd.In["M", "K", kd.bf16], res: kd.In["M", "K", kd.bf16], xw: kd.In["K", kd.bf16],
+        w: kd.In["N", "K", kd.bf16], part: kd.Out["P", "M", "N", kd.f32], res_out: kd.Out["M", "K", kd.bf16],
+        y: kd.Out["M", "K", kd.bf16], q: kd.Out["M", "K", kd.i8], scale: kd.Out["M", kd.f32],
+        bias: kd.In["E", kd.f32], ids: kd.Out["M", "TOPK", kd.i32], wts: kd.Out["M", "TOPK", kd.f32],
+        aligned: kd.Out["AL", kd.i32], counters: kd.InOut["C", kd.i32],
+        NB: kd.Dim, SL: kd.Dim, NG: kd.Dim, TOPKG: kd.Dim, NORM: kd.Dim, SOFTMAX: kd.Dim, EA: kd.Dim, BM: kd.Dim,
+        MB: kd.Dim, eps: kd.Scalar[kd.f32], rscale: kd.Scalar[kd.f32], lo: kd.Scalar[kd.i32]):
+    """gemm_bf16_addnorm_yq whose last program then routes and aligns the tokens (`_route_tail`)."""
+    _addnorm_gemm(x, res, xw, w, part, res_out, eps, y, q, scale,
+                  tail=lambda m, n, part: _route_tail(m, n, part, bias, ids, wts, aligned, counters, rscale, lo))
+
+
+@kd.kernel(name="gemm_bf16_addnorm_splitk_y_route", static=_ROUTE_STATIC + ("S",), checks=_ROUTE_CHECKS,
+           contiguous=True, example={"S": 4, "P": 1, "M": 1, "N": 4480, "K": 7168, **_ROUTE_EXAMPLE})
+def gemm_bf16_addnorm_splitk_y_route_kernel(
+        x: kd.In["S", "M", "K", kd.f32], res: kd.In["M", "K", kd.bf16], xw: kd.In["K", kd.bf16],
+        w: kd.In["N", "K", kd.bf16], part: kd.Out["P", "M", "N", kd.f32], res_out: kd.Out["M", "K", kd.bf16],
+        y: kd.Out["M", "K", kd.bf16], bias: kd.In["E", kd.f32], ids: kd.Out["M", "TOPK", kd.i32],
+        wts: kd.Out["M", "TOPK", kd.f32], aligned: kd.Out["AL", kd.i32], counters: kd.InOut["C", kd.i32],
+        NB: kd.Dim, SL: kd.Dim, NG: kd.Dim, TOPKG: kd.Dim, NORM: kd.Dim, SOFTMAX: kd.Dim, EA: kd.Dim, BM: kd.Dim,
+        MB: kd.Dim, eps: kd.Scalar[kd.f32], rscale: kd.Scalar[kd.f32], lo: kd.Scalar[kd.i32]):
+    """gemm_bf16_addnorm_splitk_y whose last program then routes and aligns the tokens (`_route_tail`)."""
+    _addnorm_gemm(x, res, xw, w, part, res_out, eps, y, rsum=_partials_residual_sum,
+                  tail=lambda m, n, part: _route_tail(m, n, part, bias, ids, wts, aligned, counters, rscale, lo))
+
+
+@kd.kernel(name="gemm_bf16_addnorm_splitk_yq_route", static=_ROUTE_STATIC + ("S",), checks=_ROUTE_CHECKS,
+           contiguous=True, example={"S": 4, "P": 1, "M": 1, "N": 4480, "K": 7168, **_ROUTE_EXAMPLE})
+def gemm_bf16_addnorm_splitk_yq_route_kernel(
+        x: kd.In["S", "M", "K", kd.f32], res: kd.In["M", "K", kd.bf16], xw: kd.In["K", kd.bf16],
+        w: kd.In["N", "K", kd.bf16], part: kd.Out["P", "M", "N", kd.f32], res_out: kd.Out["M", "K", kd.bf16],
+        y: kd.Out["M", "K", kd.bf16], q: kd.Out["M", "K", kd.i8], scale: kd.Out["M", kd.f32],
+        bias: kd.In["E", kd.f32], ids: kd.Out["M", "TOPK", kd.i32], wts: kd.Out["M", "TOPK", kd.f32],
+        aligned: kd.Out["AL", kd.i32], counters: kd.InOut["C", kd.i32],
+        NB: kd.Dim, SL: kd.Dim, NG: kd.Dim, TOPKG: kd.Dim, NORM: kd.Dim, SOFTMAX: kd.Dim, EA: kd.Dim, BM: kd.Dim,
+        MB: kd.Dim, eps: kd.Scalar[kd.f32], rscale: kd.Scalar[kd.f32], lo: kd.Scalar[kd.i32]):
+    """gemm_bf16_addnorm_splitk_yq whose last program then routes and aligns the tokens (`_route_tail`)."""
+    _addnorm_gemm(x, res, xw, w, part, res_out, eps, y, q, scale, rsum=_partials_residual_sum,
+                  tail=lambda m, n, part: _route_tail(m, n, part, bias, ids, wts, aligned, counters, rscale, lo))
+
+
 def residual_sum_ref(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
     """bf16(x + res), one f32 add rounded once (ops.norm.rmsnorm_add's res_out)."""
     return (x.float() + res.float()).to(torch.bfloat16)
 
 
+@dataclass(frozen=True)
+class RouteTail:
+    """The MoE routing a gate|up + router GEMM runs after its grid (`gemm_bf16_addnorm(route=)`): the
+    arguments of ops.moe.route_align for the router columns, the last E = bias.shape[0] of w's rows.
+    `local` (expert parallel): the rank's (first expert, count). `counters`: the int32 ticket counter
+    (element 0, zero between launches; each launch leaves it at 0), the caller's so that it exists
+    before a graph capture; None: this module's per-device one."""
+    bias: torch.Tensor
+    top_k: int
+    block_m: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "sigmoid"
+    local: tuple[int, int] | None = None
+    counters: torch.Tensor | None = None
+
+
+def route_tail_fits(m: int, n_experts: int, top_k: int) -> bool:
+    """Whether `gemm_bf16_addnorm(route=)` can route m tokens in its tail: what one moe_route_align
+    program does with the few-rows align (p2(m) x top_k <= ops.moe.ALIGN_ROWS_MAX_T)."""
+    from ops.moe import ALIGN_ROWS_MAX_T, _p2, route_align_fuses
+
+    return route_align_fuses(m, n_experts, top_k) and _p2(m) * top_k <= ALIGN_ROWS_MAX_T
+
+
+_COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def _ticket_counter(device: torch.device) -> torch.Tensor:
+    """The route tail's ticket counter on `device`: zeroed once, every launch leaves it at 0 (launches
+    on one stream run one after another), so one buffer serves every layer and graph replay."""
+    key = str(device)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def _route_operands(name: str, route: RouteTail, res: torch.Tensor, w: torch.Tensor) -> tuple[tuple, tuple]:
+    """(tensors the route tail writes: ids, weights, sorted slots, block map; the kernel's route
+    arguments after y/q/scale) for `route` over the router columns (the last E rows of w; res stands
+    for the routed rows), checked as ops.moe.route_align checks them."""
+    from ops.moe import _check_route, route_align_operands
+
+    check_tensor(name, "route.bias", route.bias, 1, (torch.float32, torch.bfloat16, torch.float16), w.device)
+    M, (N, E) = res.shape[0], (w.shape[0], route.bias.shape[0])
+    if not 1 <= E <= N:
+        raise ValueError(f"{name}: the router columns (E={E}) must be among the N={N} outputs")
+    _check_route(res, w[N - E:], route.bias, route.top_k, route.n_group, route.topk_group, route.scoring_func,
+                 route.local)
+    if isinstance(route.block_m, bool) or not isinstance(route.block_m, int) or route.block_m < 1:
+        raise ValueError(f"{name}: route.block_m must be a positive int, got {route.block_m!r}")
+    if not route_tail_fits(M, E, route.top_k):
+        raise ValueError(f"{name}: routing {M} tokens (top_k={route.top_k}, {E} experts) is more than one "
+                         "program's route tail (route_tail_fits)")
+    n = route.local[1] if route.local is not None else E
+    outs, args, aligned = route_align_operands(M, route.bias, route.top_k, route.n_group, route.topk_group,
+                                               route.norm_topk_prob, route.scoring_func, n, route.block_m)
+    counters = route.counters if route.counters is not None else _ticket_counter(w.device)
+    check_tensor(name, "route.counters", counters, 1, (torch.int32,), w.device)
+    sid, bexp = outs[2:]
+    return outs, (*args[:3], aligned, counters, bexp.shape[0], sid.shape[0], *args[5:])
+
+
 def gemm_bf16_addnorm(x: torch.Tensor, res: torch.Tensor, x_norm_w: torch.Tensor, w: torch.Tensor, eps: float,
                       backend: str = "triton", config: dict | None = None, invariant: bool = True,
                       partials: bool = False, res_out: torch.Tensor | None = None, normed: bool = False,
-                      quant: bool = False) -> tuple[torch.Tensor, ...]:
+                      quant: bool = False, route: RouteTail | None = None) -> tuple[torch.Tensor, ...]:
     """(bf16(rmsnorm(r) * x_norm_w) @ w^T, r) with r = bf16(x + res), in one launch: x, res bf16
     [M, K] (any row stride, contiguous last dim), w [N, K]; or x the f32 split-K partials [S, M, K]
     of o_proj at world size 1 (r = bf16(bf16(their sum in split order) + res), rmsnorm_add_splitk's;
@@ -181,7 +364,10 @@ def gemm_bf16_addnorm(x: torch.Tensor, res: torch.Tensor, x_norm_w: torch.Tensor
     numerics keys at every M. `normed` (gemm_bf16_addnorm_y): also returns the normed rows
     bf16(rmsnorm(r) * x_norm_w) [M, K] (rmsnorm_add's `out`), a third element; `quant`
     (gemm_bf16_addnorm_yq) also their per-token int8 quant (int8 [M, K], f32 scale [M]: what
-    rms_norm_quant returns), fourth and fifth."""
+    rms_norm_quant returns), fourth and fifth. `route` (`normed` or `quant`; `route_tail_fits`): the
+    grid's last program then routes and aligns the tokens over the router columns (the last E rows
+    of w), the same bits as ops.moe.route_align on those partials; (ids, weights, sorted_ids,
+    block_expert) follow the other outputs."""
     name = "gemm_bf16_addnorm"
     _backend(name, backend)
     splitk = x.dim() == 3
@@ -213,17 +399,23 @@ def gemm_bf16_addnorm(x: torch.Tensor, res: torch.Tensor, x_norm_w: torch.Tensor
             raise ValueError(f"{name}: res_out must be [M={M}, K={K}], got {tuple(res_out.shape)}")
         if M and _overlaps(res_out, res):
             raise ValueError(f"{name}: res_out must not overlap res (every program reads the whole residual row)")
-    kern = kernel_for(normed, quant, splitk)
-    config = addnorm_config(M, N, K, config, invariant, kern, x.shape[0] if splitk else 0)
+    if route is not None and not (normed or quant):
+        raise ValueError(f"{name}: route= needs normed=True or quant=True (the MoE half's first GEMM)")
+    kern = kernel_for(normed, quant, splitk, route is not None)
+    # the route form runs its base kernel's config: the same bits with or without the tail
+    config = addnorm_config(M, N, K, config, invariant, kernel_for(normed, quant, splitk), x.shape[0] if splitk else 0)
     if backend == "torch":
         from ops.norm import rms_norm_quant_ref, rmsnorm_ref
 
         res_out.copy_(residual_sum_ref(splitk_sum_ref(x) if splitk else x, res))
-        gemm = gemm_bf16_rmsnorm(res_out, x_norm_w, w, eps, backend="torch", config=config, partials=partials)
+        parts = gemm_bf16_rmsnorm(res_out, x_norm_w, w, eps, backend="torch", config=config, partials=True)
+        gemm = parts if partials else splitk_sum_ref(parts)
         if quant:
             q, sc, yq, _ = rms_norm_quant_ref(res_out, x_norm_w, eps)
-            return gemm, res_out, yq, q, sc
-        return (gemm, res_out, rmsnorm_ref(res_out, x_norm_w, eps)) if normed else (gemm, res_out)
+            out: tuple[torch.Tensor, ...] = (gemm, res_out, yq, q, sc)
+        else:
+            out = (gemm, res_out, rmsnorm_ref(res_out, x_norm_w, eps)) if normed else (gemm, res_out)
+        return out + (_route_torch(route, out[2], w, parts) if route is not None else ())
     splits = int(config.get("SPLIT_K", 1))
     if splits not in SPLIT_K_DOMAIN:
         raise ValueError(f"{name}: SPLIT_K must be one of {SPLIT_K_DOMAIN}, got {splits!r}")
@@ -234,14 +426,34 @@ def gemm_bf16_addnorm(x: torch.Tensor, res: torch.Tensor, x_norm_w: torch.Tensor
     if quant:
         extra += (torch.empty(M, K, dtype=torch.int8, device=x.device),
                   torch.empty(M, dtype=torch.float32, device=x.device))
-    if M:
+    routed: tuple = ()
+    if route is not None:
+        routed, rargs = _route_operands(name, route, res, w)
+        if M:
+            lo = route.local[0] if route.local is not None else 0
+            kern(x, res, x_norm_w, w, part, res_out, *extra, *rargs, float(eps), float(route.routed_scaling_factor),
+                 int(lo), config=config)
+    elif M:
         kern(x, res, x_norm_w, w, part, res_out, *extra, float(eps), config=config)
-    return (part if partials else splitk_sum_ref(part), res_out, *extra)
+    return (part if partials else splitk_sum_ref(part), res_out, *extra, *routed)
 
 
-def kernel_for(normed: bool = False, quant: bool = False, splitk: bool = False) -> Any:
+def _route_torch(route: RouteTail, rows: torch.Tensor, w: torch.Tensor, parts: torch.Tensor) -> tuple:
+    """The torch backend's route tail: ops.moe.route_align's torch path over the router columns."""
+    from ops.moe import route_align
+
+    E = route.bias.shape[0]
+    return route_align(rows, w[w.shape[0] - E:], route.bias, route.top_k, route.n_group, route.topk_group,
+                       route.norm_topk_prob, route.routed_scaling_factor, block_m=route.block_m, backend="torch",
+                       scoring_func=route.scoring_func, local=route.local, logits=parts[..., w.shape[0] - E:])
+
+
+def kernel_for(normed: bool = False, quant: bool = False, splitk: bool = False, route: bool = False) -> Any:
     """gemm_bf16_addnorm, its _y (normed rows out) or _yq (and their int8 quant) variant; `splitk`:
-    the _splitk_y / _splitk_yq kernels (x as split-K partials)."""
+    the _splitk_y / _splitk_yq kernels (x as split-K partials); `route` (_y / _yq forms): the
+    variant whose last program routes the tokens (`_route_tail`)."""
+    if route:
+        return ROUTE_KERNELS[2 * int(splitk) + int(bool(quant))]
     if splitk:
         return KERNELS[4 if quant else 3]
     return KERNELS[2 if quant else int(bool(normed))]
@@ -312,6 +524,38 @@ def _split_count(kernel: Any, arch: str, problem: dict[str, int]) -> int | None:
         return int(lookup_config(kernel, arch, problem, 1).get("SPLIT_K", 1))
 
 
+@functools.lru_cache(maxsize=None)
+def route_tail_pays(arch: str, N: int, K: int, rows: int, quant: bool, splits: int, n_experts: int, top_k: int,
+                    n_group: int, n_local: int, block_m: int) -> bool:
+    """Whether the shared gate|up + router GEMM (gemm_bf16_addnorm's _y / _yq form at (N, K), over
+    `splits` split-K partials: _splitk_) routes `rows` tokens in its last program (`route=`) rather
+    than leave it to moe_route_align (_local with `n_local` < `n_experts` experts), by the tuned files:
+    the route form's figures (its own file, at the base kernel's config: spills of the longer kernel
+    show there) against the base's + route_align's + the launch gap, at rows' bucket. Per bucket, not
+    per deployment: the tail changes no bit of the GEMM or of the routing. No files: False."""
+    import warnings
+
+    from autotune import lookup_config
+    from autotune.costmodel import launch_gap_us
+    from ops.moe import moe_route_align, moe_route_align_local
+    from ops.splitk_norm import _figure
+
+    if not route_tail_fits(rows, n_experts, top_k):
+        return False
+    base, route = kernel_for(True, quant, splits > 0), kernel_for(True, quant, splits > 0, route=True)
+    prob = {"N": N, "K": K, **({"S": splits} if splits else {})}
+    rkey = {"E": n_experts, "TOPK": top_k, "NG": n_group, "EA": n_local, "BM": block_m}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ran, want = lookup_config(route, arch, {**prob, **rkey}, rows), lookup_config(base, arch, prob, rows)
+    if any(ran.get(k) != v for k, v in want.items()):
+        return False     # the route file was tuned at another config of the base: its figures say nothing
+    align = moe_route_align_local if n_local < n_experts else moe_route_align
+    tail, gemm, alone = (_figure(route, arch, {**prob, **rkey}, rows), _figure(base, arch, prob, rows),
+                         _figure(align, arch, rkey, rows))
+    return None not in (tail, gemm, alone) and tail < gemm + alone + launch_gap_us(arch)
+
+
 def addnorm_pays(arch: str, N: int, K: int, rows: int, normed: bool = False, quant: bool = False,
                  splits: int = 0) -> bool:
     """Whether a model whose decode and verify steps run at most `rows` rows (its cache's slots x
@@ -336,3 +580,5 @@ def addnorm_pays(arch: str, N: int, K: int, rows: int, normed: bool = False, qua
 
 KERNELS = (gemm_bf16_addnorm_kernel, gemm_bf16_addnorm_y_kernel, gemm_bf16_addnorm_yq_kernel,
            gemm_bf16_addnorm_splitk_y_kernel, gemm_bf16_addnorm_splitk_yq_kernel)
+ROUTE_KERNELS = (gemm_bf16_addnorm_y_route_kernel, gemm_bf16_addnorm_yq_route_kernel,
+                 gemm_bf16_addnorm_splitk_y_route_kernel, gemm_bf16_addnorm_splitk_yq_route_kernel)

@@ -180,9 +180,10 @@ def _like(v, ref):
 
 def split_sum(logits, m, e):
     """The router logits of tokens `m`, experts `e`: the SPLIT partials of `moe_gate_gemm` added
-    one after another in split order (elementwise: the same bits for any tile shape or layout)."""
+    one after another in split order (elementwise: the same bits for any tile shape or layout).
+    `logits` may be a view that knows its split count (`splits`, e.g. a GEMM's router columns)."""
     acc = logits[0, m, e]
-    for s in range(1, kd.static("SPLIT")):
+    for s in range(1, getattr(logits, "splits", None) or kd.static("SPLIT")):
         acc = acc + logits[s, m, e]
     return acc
 
@@ -347,14 +348,15 @@ def _align_rows(read_ids, T, ea, block_expert, sorted_ids):
 ALIGN_ROWS_MAX_T = 64  # up to this many (token, k) rows (static bound MB*TOPK) the align compares rows with rows
 
 
-def _align_few_rows(read_ids, T, block_expert, sorted_ids):
+def _align_few_rows(read_ids, T, block_expert, sorted_ids, slots="S"):
     """The arrays of `_align_rows` (and `moe_align_one`) for the few rows of a decode or verify step
     (static bound TB = p2(MB*TOPK) <= ALIGN_ROWS_MAX_T), computed per row from [TB, TB] row x row
     compares instead of per expert over the EA experts: a row's rank among the earlier rows of its
     expert (`within`) and its expert's row count come from one packed sum; the rows with `within` a
     multiple of BM each open one block (an expert of c rows has ceil(c / BM) of them), so a row's
     padded start = BM x the blocks opened by rows of lower experts, and block b's expert is the id of
-    the row that opens it. An id outside [0, EA) is in no block."""
+    the row that opens it. An id outside [0, EA) is in no block. `slots`: the name of sorted_ids'
+    dim (a kernel whose S means something else names it otherwise)."""
     EA, bm = kd.static("EA"), kd.static("BM")
     tb = _p2(kd.static("MB") * kd.static("TOPK"))
     t = kd.span(0, tb, T, "t")
@@ -381,7 +383,7 @@ def _align_few_rows(read_ids, T, block_expert, sorted_ids):
     def tail(r):  # the slots past the used blocks
         sorted_ids.store(r, value=kd.zeros((r,), kd.i32) + T, mask=r >= total)
 
-    kd.fold(kd.tiles("S", block="BLOCK_S", domain=(64, 128, 256, 512), default=256, label="r"), None, tail)
+    kd.fold(kd.tiles(slots, block="BLOCK_S", domain=(64, 128, 256, 512), default=256, label="r"), None, tail)
     sorted_ids.store(slot, value=t, mask=ok_t & (t < T))
 
 
@@ -395,16 +397,24 @@ def _route_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, lo):
     from memory, the align is the small kernel it is on its own. `lo` (expert parallel): the
     rank's first expert; ids are stored and aligned as local ids (-1 for another rank's expert, in
     no block), EA = the rank's expert count."""
+    (ea,) = kd.grid(kd.tile("EA", block=_p2(kd.static("EA"))))  # one program: the whole (local) expert range
+    route_and_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, lo, ea)
+
+
+def route_and_align(logits, bias, ids, wts, block_expert, sorted_ids, scale, lo, ea=None, slots="S"):
+    """`_route_align`'s work in the program that runs it (no grid of its own: also the serial tail of
+    a GEMM whose output holds the router logits, ops.gemm_addnorm). Without the expert tile `ea`
+    only the few-rows align exists (MB x TOPK <= ALIGN_ROWS_MAX_T); `slots`: sorted_ids' dim name."""
     EA, K = kd.static("EA"), kd.static("TOPK")
-    (ea,) = kd.grid(kd.tile("EA", block=_p2(EA)))  # one program: the whole (local) expert range
     M = kd.dim("M")
     m = kd.span(0, kd.static("MB"), M, "m")  # every token (the launcher checks M <= MB)
     _route_rows(logits, bias, m, ids, wts, scale, lo, EA)
     kd.barrier()
     read_ids = lambda t: ids[t // K, t % K]  # noqa: E731 - row t = m*K + k
     if kd.static("MB") * K <= ALIGN_ROWS_MAX_T:
-        _align_few_rows(read_ids, M * K, block_expert, sorted_ids)
+        _align_few_rows(read_ids, M * K, block_expert, sorted_ids, slots)
     else:
+        kd.require(ea is not None, "more rows than ALIGN_ROWS_MAX_T need the expert tile of moe_route_align", "MB")
         _align_rows(read_ids, M * K, ea, block_expert, sorted_ids)
 
 
@@ -608,23 +618,33 @@ def route_align(x: torch.Tensor, wg: torch.Tensor, bias: torch.Tensor, top_k: in
         return ids, w, sid, bexp
     config = config or {}
     part = _gate_partials(x, wg, config, invariant, logits)
-    T = M * top_k
-    nb = aligned_blocks(T, n, block_m)
-    dev = x.device
-    ids = torch.empty(M, top_k, dtype=torch.int32, device=dev)
-    wts = torch.empty(M, top_k, dtype=torch.float32, device=dev)
-    bexp = torch.empty(nb, dtype=torch.int32, device=dev)
-    sid = torch.empty(nb * block_m, dtype=torch.int32, device=dev)  # every slot written by the kernel
-    bf = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
+    outs, args, _ = route_align_operands(M, bias, top_k, n_group, topk_group, norm_topk_prob, scoring_func, n, block_m)
     kern = moe_route_align if local is None else moe_route_align_local
     cfg = config_for(kern, {"E": E, "TOPK": top_k, "NG": n_group, "EA": n, "BM": block_m}, M, config.get("route_align"))
-    args = (part, bf, ids, wts, bexp, sid, n_group, topk_group, int(bool(norm_topk_prob)), SCORING[scoring_func],
-            n, block_m, _p2(M), float(routed_scaling_factor))
+    args = (part, *args, float(routed_scaling_factor))
     if local is None:
         kern(*args, config=cfg)
     else:
         kern(*args, int(local[0]), config=cfg)
-    return ids, wts, sid, bexp
+    return outs
+
+
+def route_align_operands(M: int, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                         scoring_func: str, n: int, block_m: int) -> tuple[tuple, tuple, torch.Tensor]:
+    """(ids, weights, sorted_ids, block_expert) allocated for M tokens aligned over `n` experts in
+    blocks of `block_m` (every slot is written by the kernel; the last two are views of one int32
+    buffer, block map first, also returned), and the route + align kernels' arguments after the
+    logits up to the scaling factor (bias as contiguous f32, the outputs, the routing dims): what
+    `moe_route_align` takes, and the GEMMs with a route tail (ops.gemm_addnorm: the one buffer)."""
+    nb = aligned_blocks(M * top_k, n, block_m)
+    dev = bias.device
+    ids = torch.empty(M, top_k, dtype=torch.int32, device=dev)
+    wts = torch.empty(M, top_k, dtype=torch.float32, device=dev)
+    aligned = torch.empty(nb * (1 + block_m), dtype=torch.int32, device=dev)
+    bexp, sid = aligned[:nb], aligned[nb:]
+    bf = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
+    return (ids, wts, sid, bexp), (bf, ids, wts, bexp, sid, n_group, topk_group, int(bool(norm_topk_prob)),
+                                   SCORING[scoring_func], n, block_m, _p2(M)), aligned
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ They live next to the kernels so the tuner imports nothing of ops: `autotune.pro
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -210,6 +211,24 @@ def _splitk_norm_tail(p: Problem, m: int, d: Problem, qb: int) -> tuple[float, i
     return float(fixup + norm), 2
 
 
+def _route_tail_derived(p: Problem, m: int, c: dict[str, Any]) -> Problem:
+    """The route tail's launch dims: moe_route_align's, its slots named SL (S is the split count in),
+    AL = NB + SL (the block map and slots in one operand)."""
+    d = _route_align_derived(p, m, c)
+    return {"MB": d["MB"], "NB": d["NB"], "SL": d["S"], "AL": d["NB"] + d["S"]}
+
+
+def _route_tail_work(p: Problem, m: int, d: Problem) -> tuple[float, int]:
+    """The route tail one program runs after the grid (ops.gemm_addnorm._route_tail): moe_route_align's
+    bytes (the SPLIT router partials of the M tokens and the bias in; ids, weights, block map and
+    sorted slots out) after one ticket. Kimi's routing (384 experts, top 8, blocks of 16) where the
+    problem does not say."""
+    q = {**p, **d}
+    e, k, bm = q.get("E", 384), q.get("TOPK", 8), q.get("BM", 16)
+    nb = q.get("NB", aligned_blocks(m * k, q.get("EA", e), bm))
+    return float(q.get("SPLIT", q.get("P", 1)) * m * e * 4 + e * 4 + m * k * 8 + nb * (1 + bm) * 4), 1
+
+
 def _rmsnorm_split(p: Problem, c: dict[str, Any]) -> Problem:
     """gemm_bf16_rmsnorm's output partial count P (= SPLIT_K) and KS, the K elements of one split."""
     d = _splitk_derived(p, 0, {"SPLIT_K": 1, **c})
@@ -345,6 +364,20 @@ MODELS: list[ProblemModel] = [
     # two passes over the row: absmax, then quantize
     ProblemModel("quant_per_token*", ("K",), peak_dtype="f32", bytes_fn=_quant_bytes, flops_fn=_quant_flops,
                  loops=2),
+]
+
+# the gate|up + router forms that have a route-tail variant, and the route's key dims (moe_route_align's)
+_ROUTE_BASES = ("gemm_bf16_addnorm_y", "gemm_bf16_addnorm_yq", "gemm_bf16_addnorm_splitk_y",
+                "gemm_bf16_addnorm_splitk_yq")
+_ROUTE_KEY = ("E", "TOPK", "NG", "EA", "BM")
+MODELS[:0] = [  # ahead of the gemm_bf16* wildcard
+    # the _y / _yq forms whose last program routes the tokens (ops.gemm_addnorm._route_tail): the base
+    # kernel's grid and main loop at its tuned config (configs_of), plus the route's serial tail; keyed
+    # by the base's dims and moe_route_align's
+    *(dataclasses.replace(base, pattern=base.pattern + "_route", key_dims=base.key_dims + _ROUTE_KEY,
+                          derived=lambda p, m, c, d=base.derived: {**d(p, m, c), **_route_tail_derived(p, m, c)},
+                          shared_numerics=False, tiles_from=(), configs_of=base.pattern, tail_fn=_route_tail_work)
+      for base in MODELS if base.pattern in _ROUTE_BASES),
 ]
 
 

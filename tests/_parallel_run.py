@@ -40,6 +40,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-step", action="store_true", help="skip the counted single step")
     ap.add_argument("--add-norm-in-gemm", choices=("auto", "on", "off"), default="auto",
                     help="KimiModel.add_norm_in_gemm (world size > 1)")
+    ap.add_argument("--route-in-gemm", choices=("auto", "on", "off"), default="auto",
+                    help="KimiModel.route_in_gemm (where the add and norm run in the gate|up + router GEMM)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -48,11 +50,13 @@ def main(argv: list[str]) -> int:
     want = a.cases.split(",")
     target = KimiModel(tk, backend=a.backend, device="cpu", comm=comm)
     target.add_norm_in_gemm = {"auto": "auto", "on": True, "off": False}[a.add_norm_in_gemm]
+    target.route_in_gemm = {"auto": "auto", "on": True, "off": False}[a.route_in_gemm]
     import ops.gemm_addnorm as addnorm                    # count the fused add-norm GEMMs the run takes
-    calls, fused_op = [0, 0], addnorm.gemm_bf16_addnorm      # [layer starts, MoE halves (normed rows out)]
+    calls, fused_op = [0, 0, 0], addnorm.gemm_bf16_addnorm   # [layer starts, MoE halves, with the route tail]
 
     def counted(*args, **kwargs):
         calls[bool(kwargs.get("normed") or kwargs.get("quant"))] += 1
+        calls[2] += kwargs.get("route") is not None
         return fused_op(*args, **kwargs)
     addnorm.gemm_bf16_addnorm = counted
     draft = None
@@ -81,6 +85,14 @@ def main(argv: list[str]) -> int:
             other_cache.table.reserve_all(16)
             other = target.step(other_cache, torch.tensor([[1, 2, 3]]))
             target.add_norm_in_gemm = was
+            if target.route_in_gemm is True:       # and without the route tail: the same bits
+                target.route_in_gemm = False
+                plain_cache = target.new_cache(1, 16)
+                plain_cache.table.reserve_all(16)
+                plain = target.step(plain_cache, torch.tensor([[1, 2, 3]]))
+                target.route_in_gemm = True
+                out["route_tail_same_bits"] = bool(torch.equal(got.logits, plain.logits) and
+                                                   torch.equal(got.aux, plain.aux))
             out["other_path"] = {"aux": (got.aux.float() - other.aux.float()).abs().max().item() /
                                  got.aux.float().abs().max().item(),
                                  "logits": (got.logits - other.logits).abs().max().item() /

@@ -117,3 +117,34 @@ def test_size_one_dims_share_a_launcher_and_stay_right() -> None:
         axpy(x, y, out, 2.0, 1)
         torch.testing.assert_close(out, x * 2 + y)
     assert len(axpy._launchers) == 1
+
+
+@kd.kernel(name="_launch_rows_scaled", static=("N",), contiguous=("x", "out"))
+def rows_scaled(x: kd.In["S", "M", "N", kd.f32], y: kd.In["M", "N", kd.f32], out: kd.Out["S", "M", "N", kd.f32]):
+    s, m, n = kd.grid(kd.tile("S", block=1), kd.tile("M", block=4), kd.tile("N", block=16))
+    out[s, m, n] = x[s, m, n] * 2.0 + y[m, n]
+
+
+def test_contiguous_operands_take_strides_from_static_dims() -> None:
+    """`contiguous` operands: a stride over static dims only is a constant of the generated code (no
+    argument); one over a dynamic dim (S's, M x N) stays an argument; y keeps all its strides. A
+    launch with a non-contiguous one is refused, naming it; the results are the plain math."""
+    sp = rows_scaled.specialize({}, "interpret", {"N": 20})
+    strides = [p.name for p in sp.params if p.kind == "stride"]
+    assert strides == ["x_s0", "y_s0", "y_s1", "out_s0"]
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(3, 5, 20, generator=g), torch.randn(7, 20, generator=g)[:5]   # y: a view of a bigger one
+    big = torch.full((3 * 5 * 20 + 16,), float("nan"))
+    out = big[:300].view(3, 5, 20)
+    rows_scaled(x, y, out)
+    torch.testing.assert_close(out, x * 2 + y)
+    assert big[300:].isnan().all()
+    with pytest.raises(kd.LaunchError, match="parameter 'x'.*must be contiguous"):
+        rows_scaled(torch.randn(3, 20, 5).transpose(1, 2), y, out)
+    with pytest.raises(kd.ConfigError, match="contiguous names operands"):
+        kd.kernel(name="_launch_bad_contig", contiguous=("nope",))(_copy_rows)
+
+
+def _copy_rows(x: kd.In["M", kd.f32], out: kd.Out["M", kd.f32]):
+    (m,) = kd.grid(kd.tile("M", block=4))
+    out[m] = x[m]

@@ -279,8 +279,9 @@ def test_model_fused_moe_half_equals_unfused_chain(tmp_path_factory, monkeypatch
     captures are the residual entering each layer, untouched by the in-place norms after them.
     The default model (MoE layers ending with combine_add's work in the shared expert's down GEMM,
     gemm_bf16_swiglu_combine, the next input norm in the q_a|kv_a GEMM's prologue) agrees within the
-    triton-vs-torch tolerances.
-    On the 4-layer tiny target (three forwards on the interpreter): the dense layer 0, MoE layers
+    triton-vs-torch tolerances; with the post-attention add + norm in the shared gate|up + router
+    GEMM, the routing in that GEMM's last program (route_in_gemm) gives its bits without it.
+    On the 4-layer tiny target (five forwards on the interpreter): the dense layer 0, MoE layers
     followed by MoE layers (the raw rows into the next q_a|kv_a GEMM) and the last MoE layer before
     the final norm are all there; each further layer repeats one of these."""
     from models.fixtures import write_fixture
@@ -306,17 +307,26 @@ def test_model_fused_moe_half_equals_unfused_chain(tmp_path_factory, monkeypatch
     assert any(attn.takes_raw_rows for (_, attn, _, _) in raw.layers[1:])
     first = KimiModel(tk, backend="triton", capture_ids=ids)  # and the post-attention add + norm in the shared
     first.add_norm_in_gemm = True                             # gate|up + router GEMM (gemm_bf16_addnorm_splitk_y)
+    first.route_in_gemm = False
+    routed = KimiModel(tk, backend="triton", capture_ids=ids)  # and the routing in that GEMM's last program
+    routed.add_norm_in_gemm, routed.route_in_gemm = True, True
     import ops.gemm_addnorm as addnorm
 
     calls, run = [], addnorm.gemm_bf16_addnorm
-    monkeypatch.setattr(addnorm, "gemm_bf16_addnorm", lambda x, *a, **k: calls.append(x.dim()) or run(x, *a, **k))
+    monkeypatch.setattr(addnorm, "gemm_bf16_addnorm",
+                        lambda x, *a, **k: calls.append((x.dim(), k.get("route") is not None)) or run(x, *a, **k))
     toks = [[5, 9, 2, 7], [3, 1]]
     outs = []
-    for m in (fused, plain, raw, first):
+    for m in (fused, plain, raw, first, routed):
         c = m.new_cache(2, 16)
         outs.append(m.forward(c, [(0, toks[0]), (1, toks[1])], keep_hidden=True))
-    assert calls == [3, 3, 3]                 # `first` only, each MoE layer, over o_proj's split-K partials
+    # `first` and `routed` only, each MoE layer, over o_proj's split-K partials; `routed` with the route tail
+    assert calls == [(3, False)] * 3 + [(3, True)] * 3
+    for got, want in ((outs[4].logits, outs[3].logits), (outs[4].aux, outs[3].aux)):   # the same bits
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(outs[4].hidden, outs[3].hidden)
     assert not fused.o_proj_counters.any()                  # every launch left its tickets at 0
+    assert not routed.route_counter.any()
     for a, b in zip(outs[0].logits, outs[1].logits):
         assert torch.equal(a, b)
     for a, b in zip(outs[0].aux, outs[1].aux):

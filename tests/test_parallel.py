@@ -266,14 +266,19 @@ def test_triton_fused_ranks(triton_refs, tmp_path, world, moe, kind, addnorm):
     kernel under EP, the rank's share from moe_combine_rank, the all-reduce, then the next layer's
     residual add and input norm: rmsnorm_add, or with `addnorm` on in the next q_a|kv_a GEMM's
     prologue, ops.gemm_addnorm, and the post-attention one (W4A8: with the int8 quant) in the shared
-    gate|up + router GEMM's): a 4-layer target, one prompt's prefill and first token, and (on the
+    gate|up + router GEMM's, whose last program then also routes a decode step's tokens, route_in_gemm,
+    bit for bit as without): a 4-layer target, one prompt's prefill and first token, and (on the
     ranks) one counted step (bf16 all-reduces: 2 x 4 layers x 3 rows x 64 x 2 bytes), against one
     process (the world-1 fused path)."""
     t, ref = triton_refs(kind)
-    got = _run(world, t, t, tmp_path / "b.json", *TRITON_ARGS, "--moe", moe, "--add-norm-in-gemm", addnorm)
+    got = _run(world, t, t, tmp_path / "b.json", *TRITON_ARGS, "--moe", moe, "--add-norm-in-gemm", addnorm,
+               "--route-in-gemm", addnorm)
     assert got["cases"] == ref["cases"]
-    starts, halves = got["addnorm_calls"]                  # 3 layer starts of 4 per forward; the MoE halves
+    starts, halves, routed = got["addnorm_calls"]          # 3 layer starts of 4 per forward; the MoE halves
     assert (starts > 0) == (halves > 0) == (addnorm == "on")
+    # with the add and norm there, the decode steps (few rows) route in its last program: the same bits
+    assert (routed > 0) == ("route_tail_same_bits" in got) == (addnorm == "on")
+    assert got.get("route_tail_same_bits", True)
     # the counted step again on the other path: the captured residual streams (EAGLE-3's aux rows,
     # written by the fused GEMM on that path) and the logits agree to bf16 rounding, relative to their max
     assert got["other_path"]["aux"] <= 2.0 ** -7 and got["other_path"]["logits"] <= 2.0 ** -5

@@ -328,12 +328,14 @@ def test_meta_forward_records_the_step():
     assert "rmsnorm_add_quant_splitk" not in fused and "rmsnorm_add_splitk" not in fused
     assert len(fused) == len(names) - 2
     # the default ("auto", the tuned files: it pays for a batch-1 cache on gfx942): the post-attention add,
-    # norm and quant in the prologue of the shared gate|up + router GEMM, over o_proj's 4 partials
+    # norm and quant in the prologue of the shared gate|up + router GEMM, over o_proj's 4 partials,
     model.o_proj_norm, model.add_norm_in_gemm = "auto", "auto"
     rec = record_step(cfg, "w4a8", "gfx942", 1, 8192, 1, model, mode)
     first = [(r.kernel.name, r.dims.get("S")) for r in rec.launches]
-    assert ("gemm_bf16_addnorm_splitk_yq", 4) in first and len(first) == len(names) - 1
+    assert ("gemm_bf16_addnorm_splitk_yq_route", 4) in first and len(first) == len(names) - 2
     assert not {"rmsnorm_add_quant_splitk", "gemm_bf16_splitk_norm_quant"} & {n for n, _ in first}
+    # ... and its last program routes the token (route_tail_pays at 1 row): no moe_route_align launch
+    assert "moe_route_align" not in {n for n, _ in first}
 
 
 def test_meta_forward_mxfp4_experts():
@@ -361,6 +363,7 @@ def test_tp_step_is_rank0_of_the_parallel_model():
     for moe, want in (("ep", {"E": 48, "I": 2048}), ("tp", {"E": 384, "I": 256})):
         mode = HostShadowMode()
         model = build_model(cfg, "w4a8", mode, 8, moe)
+        model.route_in_gemm = False          # the route's own launch (test_route_tail_where_it_pays: in the GEMM)
         rec = record_step(cfg, "w4a8", "gfx942", 1, 8192, 1, model, mode)
         by = {}
         for r in rec.launches:
@@ -450,7 +453,7 @@ def test_tp_moe_half_starts_with_the_add_norm_gemm(experts, fused, norm):
         for fold in (True, False):
             mode = HostShadowMode()
             model = build_model(cfg, experts, mode, 8, moe)
-            model.add_norm_in_gemm = fold
+            model.add_norm_in_gemm, model.route_in_gemm = fold, False
             rec = record_step(cfg, experts, "gfx950", 1, 8192, 1, model, mode)
             got[fold] = [(r.kernel.name, r.dims.get("N")) for r, layer in zip(rec.launches, launch_layers(rec))
                          if layer == 1]
@@ -498,12 +501,12 @@ def test_bench_step_json_and_plot(monkeypatch, capsys, tmp_path):
         assert s["launch_bound_ratio"] == pytest.approx((s["kernels_floor_us"] + s["gaps_us"]) / s["floor_us"])
         assert 1.0 < s["launch_bound_ratio"] < s["ratio"]
         # W4A8 MoE layer: the shared gate|up + router GEMM with the post-attention norm+quant in its
-        # prologue (gemm_bf16_addnorm_splitk_yq: it pays for a batch-1 cache on gfx942),
-        # route+align (one launch up to 4 tokens), stage 1, quant (not with stage2_quant "amax", the
-        # tuned files' choice on gfx942 at q_len 1 and 4), stage 2, shared down, combine+norm, and the 6
-        # MLA launches; the only MoE layer of this record also holds the dense layer's closing
-        # rmsnorm_add: 12 + 1
-        assert s["launches_per_layer"]["moe"]["kdsl"] == 13 and len(s["top"]) == 10
+        # prologue (gemm_bf16_addnorm_splitk_yq: it pays for a batch-1 cache on gfx942) and route+align
+        # in its last program (_route: it pays at 1 and 4 rows), stage 1, quant (not with stage2_quant
+        # "amax", the tuned files' choice on gfx942 at q_len 1 and 4), stage 2, shared down,
+        # combine+norm, and the 6 MLA launches; the only MoE layer of this record also holds the dense
+        # layer's closing rmsnorm_add: 11 + 1
+        assert s["launches_per_layer"]["moe"]["kdsl"] == 12 and len(s["top"]) == 10
         assert all(f["why"] in ("fallback", "no lookup") for f in s["fallbacks"])
         # the MoE half looks up and finds tuned configs for every launch (align kernels included)
         assert not {"moe_align_one", "moe_combine_norm", "rmsnorm_add_quant",
