@@ -71,8 +71,9 @@ def _code_names(code: Any) -> set[str]:
 
 
 def kernel_helpers(kernel: Any) -> dict[str, str]:
-    """Every module-level function the kernel's DSL function reaches (names it uses, recursively)
-    in its own package (e.g. ops.*): qualified name -> sha256 of its source (16 hex digits)."""
+    """Every module-level function and class the kernel's DSL function reaches (names it uses,
+    recursively, through a class's methods too) in its own package (e.g. ops.*): qualified name ->
+    sha256 of its source (16 hex digits)."""
     fn = kernel.fn
     top = (fn.__module__ or "").split(".")[0]
     out: dict[str, str] = {}
@@ -84,7 +85,7 @@ def kernel_helpers(kernel: Any) -> dict[str, str]:
         for n in sorted(_code_names(f.__code__)):
             obj = g.get(n)
             obj = getattr(obj, "fn", obj)  # a kdsl Kernel used as a helper: its function
-            if not inspect.isfunction(obj) or id(obj) in seen:
+            if not (inspect.isfunction(obj) or inspect.isclass(obj)) or id(obj) in seen:
                 continue
             if (obj.__module__ or "").split(".")[0] != top:
                 continue
@@ -94,7 +95,10 @@ def kernel_helpers(kernel: Any) -> dict[str, str]:
             except (OSError, TypeError):
                 continue
             out[f"{obj.__module__}.{obj.__qualname__}"] = hashlib.sha256(src.encode()).hexdigest()[:16]
-            todo.append(obj)
+            if inspect.isclass(obj):  # a view or wrapper class (ops.gemm_addnorm._Segment): what its methods use
+                todo += [m for m in vars(obj).values() if inspect.isfunction(m) and id(m) not in seen]
+            else:
+                todo.append(obj)
     return dict(sorted(out.items()))
 
 

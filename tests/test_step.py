@@ -184,11 +184,23 @@ def test_problem_models_live_with_the_kernels():
 
 
 def test_helper_hash_covers_helpers_not_just_the_kernel():
+    """kernel_helpers: the functions and classes a kernel reaches in its package, so that a change to
+    any of them marks its tuned files stale."""
     from ops.moe import moe_stage1_w4a8
 
     h = store.kernel_helpers(moe_stage1_w4a8)
     assert any(n.endswith("_w4a8_gate_up") for n in h) and any(n.endswith("_block_rows") for n in h)
     assert len(store.helpers_hash(moe_stage1_w4a8)) == 16
+    # classes the kernel's helpers use (views, packed-operand wrappers) and what their methods reach;
+    # a base kernel that is passed a tail reaches none of it
+    from ops.gemm_addnorm import kernel_for
+
+    route = store.kernel_helpers(kernel_for(True, True, True, route=True))
+    for name in ("ops.gemm_addnorm._Segment", "ops.gemm_addnorm._RouterColumns", "ops.gemm_addnorm._route_tail",
+                 "ops.moe.route_and_align", "ops.moe.split_sum"):
+        assert name in route, name
+    base = store.kernel_helpers(kernel_for(True, True, True))
+    assert "ops.gemm_addnorm._addnorm_gemm" in base and not any("route" in n for n in base)
 
 
 def _doc(arch="gfx942", cu=304, cfg=None, triton_version=None):
