@@ -30,7 +30,7 @@ from models.kimi import _dense, default_device, rope_scaling_dict
 from models.kv_cache import LatentCache, MHACache
 from models.layers import MLP, Linear, RMSNorm, act_dtype, check_backend
 from models.loader import Checkpoint
-from models.step import RopeTable, StepCtx, advance, make_ctx, paged_rows, visibility
+from models.step import RopeTable, StepCtx, advance, begin_step, paged_rows, visibility
 
 __all__ = ["Eagle3Draft"]
 
@@ -116,17 +116,17 @@ class Eagle3Draft:
         else:
             raise ValueError(f"draft forward: hidden width {hid.shape[-1]} is neither 3 x target hidden "
                              f"({3 * self.target_hidden}) nor the draft hidden ({c.hidden_size})")
-        ctx = make_ctx(cache.table, B, QL, seqs, positions=positions, window=window)
-        cos, sin = self.rope(ctx.positions)
-        x = torch.cat([self.input_norm(self.embed[tokens.reshape(-1)]), self.hidden_norm(h)], -1)
+        ctx, cos, sin, _, xe = begin_step(cache.table, tokens, self.rope, self.embed, self.backend, seqs,
+                                          positions=positions, window=window, norm=self.input_norm)
+        x = torch.cat([xe, self.hidden_norm(h)], -1)
         if c.kind == "mla":
             attn_out = self.mla(x, cos, sin, cache, 0, ctx)
         else:
             attn_out = self._mha(x, cos, sin, cache, ctx)
         advance(cache.table, ctx)
-        r = h + attn_out.to(h.dtype)
-        y = r + self.mlp(self.post_norm(r)).to(r.dtype)
-        logits = self.lm_head(self.norm(y)).float()
+        xn, r = self.post_norm.add_norm(attn_out, h)             # the residual adds fused into the norms
+        yn, y = self.norm.add_norm(self.mlp(xn), r)
+        logits = self.lm_head(yn).float()
         return logits.view(B, QL, -1), y.view(B, QL, -1)
 
     def _mha(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: MHACache, ctx: StepCtx) -> torch.Tensor:

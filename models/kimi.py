@@ -36,7 +36,7 @@ from models.kv_cache import LatentCache
 from models.layers import MLP, Linear, NormTail, PendingGemm, RMSNorm, act_dtype, check_backend, concat_weights
 from models.loader import Checkpoint, stack_experts
 from models.parallel import Comm, single
-from models.step import RopeTable, StepCtx, advance, make_ctx, paged_rows, visibility
+from models.step import RopeTable, StepCtx, advance, begin_step, paged_rows, visibility
 
 if TYPE_CHECKING:
     from ops.gemm_addnorm import RouteTail
@@ -703,12 +703,10 @@ class KimiModel:
         reserved the pages (PageTable.reserve). No device->host read happens here."""
         B, QL = tokens.shape
         depths, mask = tree if tree is not None else (None, None)
-        ctx = make_ctx(cache.table, B, QL, seqs, offsets=depths, window=mask)
-        cos, sin = self.rope(ctx.positions)
-        h = self.embed[tokens.reshape(-1)]
         N = self.cfg.num_hidden_layers
+        ctx, cos, sin, h, x = begin_step(cache.table, tokens, self.rope, self.embed, self.backend, seqs, offsets=depths,
+                                         window=mask, norm=self.layers[0][0] if N else self.norm)
         caps: dict[int, torch.Tensor] = {}
-        x = self.layers[0][0](h) if N else self.norm(h)
         x_norm: Optional[RMSNorm] = None      # set: x is h as f32 rows (world size > 1: the all-reduced rows,
         #                                       added to h there), normed by attn's first GEMM
         fuse = self.backend == "triton"

@@ -4,7 +4,8 @@ A step processes the same number of new rows (q_len) for each of B sequences: de
 speculative verify (q_len k + 1 or the tree size) and every draft step. Everything here is computed
 from device tensors the cache holds (`PageTable.lens`, `PageTable.bt`) with device ops, so a step
 makes no device->host read and can be captured as a graph: shapes depend only on (B, q_len) and the
-cache's block-table width.
+cache's block-table width. `begin_step` is what the models call: on triton it runs `make_ctx`, the rope
+rows, the embedding and the first norm as one launch (ops.step_prologue), `make_ctx` being its reference.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from models.kv_cache import PageTable
 
-__all__ = ["StepCtx", "make_ctx", "advance", "RopeTable", "paged_rows", "visibility"]
+__all__ = ["StepCtx", "make_ctx", "begin_step", "advance", "RopeTable", "paged_rows", "visibility"]
 
 
 @dataclass
@@ -55,6 +56,33 @@ def make_ctx(table: PageTable, B: int, QL: int, seqs: Optional[torch.Tensor] = N
     else:
         pos = rows.reshape(-1)
     return StepCtx(B, QL, pos, slots, bt, lens + QL, None if window is None else window.bool(), table.capacity, seqs)
+
+
+def begin_step(table: PageTable, tokens: torch.Tensor, rope: "RopeTable", embed: torch.Tensor, backend: str,
+               seqs: Optional[torch.Tensor] = None, offsets: Optional[torch.Tensor] = None,
+               positions: Optional[torch.Tensor] = None, window: Optional[torch.Tensor] = None,
+               norm: Any = None) -> tuple[StepCtx, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """A step's start for tokens [B, QL]: (make_ctx's StepCtx, cos, sin [T, dim/2] at its positions,
+    the embedding rows h [T, hidden], norm(h) or None). `norm`: an RMSNorm (models.layers) of the
+    embedding rows, e.g. the first layer's input norm. On triton with a bf16 embedding all of it runs
+    in one launch (ops.step_prologue: the same values; a sequence-indexed step still gathers its
+    block-table rows with torch); otherwise as torch ops, make_ctx and indexing."""
+    B, QL = tokens.shape
+    if backend != "triton" or embed.dtype != torch.bfloat16 or (norm is not None and norm.w.dtype != torch.bfloat16):
+        ctx = make_ctx(table, B, QL, seqs, offsets=offsets, positions=positions, window=window)
+        cos, sin = rope(ctx.positions)
+        h = embed[tokens.reshape(-1)]
+        return ctx, cos, sin, h, (norm(h) if norm is not None else None)
+    from ops.step_prologue import run_prologue
+
+    o = run_prologue(tokens.long(), table.lens, table.bt, table.page_size, embed, rope.cos, rope.sin,
+                     seqs=None if seqs is None else seqs.long(), offsets=None if offsets is None else offsets.long(),
+                     positions=None if positions is None else positions.long(), norm_w=None if norm is None else norm.w,
+                     eps=1e-6 if norm is None else norm.eps, backend="triton")
+    bt = table.bt[:B] if seqs is None else table.bt[seqs]
+    ctx = StepCtx(B, QL, o["positions"], o["slots"], bt, o["seq_lens"], None if window is None else window.bool(),
+                  table.capacity, seqs)
+    return ctx, o["cos"], o["sin"], o["h"], o.get("x")
 
 
 def advance(table: PageTable, ctx: StepCtx) -> None:

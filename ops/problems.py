@@ -613,6 +613,11 @@ MODELS += [
                  flops_fn=lambda p, m: 5.0 * m * p["D"], derived=_norm_chunks,
                  extra_bytes_fn=_norm_rereads(lambda p: p["D"] * 4),
                  shared_numerics=True, launch_keys=("BLOCK_D",)),
+    # a step's bookkeeping (ops.step_prologue), per new row: the embedding row read, h and x written,
+    # the cos/sin rows read and written, a few indices; the norm weight once
+    ProblemModel("step_prologue", ("H", "R2"), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None,
+                 loop_block=None, bytes_fn=_rows("H", lambda p: p["H"] * 6 + p["R2"] * 16 + 40, lambda p: p["H"] * 2),
+                 flops_fn=lambda p, m: 4.0 * m * p["H"], shared_numerics=True),
     ProblemModel("silu_mul", ("I",), m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,
                  bytes_fn=_rows("I", lambda p: p["I"] * 6), flops_fn=lambda p, m: 6.0 * m * p["I"]),
     ProblemModel("rope_*", ("H", "R"), m_dim="T", m_block=None, peak_dtype="f32", loop_dim=None, loop_block=None,

@@ -330,7 +330,9 @@ def test_meta_forward_records_the_step():
     assert mla.dims["B"] == 1 and mla.dims["QL"] == 1 and mla.dims["MP"] >= 8192 // 64
     assert len(rec.mode.ops) > 0 and rec.mode.device_reads == []
     layers = launch_layers(rec)
-    assert layers[0] == 0 and layers[-1] is None and 1 in layers
+    # the step's bookkeeping, embeddings and first norm: one launch before layer 0 (ops.step_prologue)
+    assert names[0] == "step_prologue" and layers[0] is None and layers[1] == 0 and layers[-1] is None and 1 in layers
+    assert names.count("rmsnorm") == 0 and sorted(o.name for o in rec.mode.ops) == ["_to_copy", "copy_"]
     assert any(e["hit"] for e in rec.lookups)
     assert model.embed.device.type == "meta" and model.lm_head.dense.device.type == "meta"  # no weight memory
     # o_proj with the residual-add norm (+ int8 quant) in its last programs: one launch fewer per layer
@@ -673,8 +675,9 @@ def test_draft_flags_bad_input_is_one_line_exit_2(capsys, tmp_path):
 
 def test_tune_model_draft_dry_run_lists_the_draft_problems(capsys, tmp_path):
     """tune-model --model draft lists the draft's own problems and leaves the ones the target's step
-    launches too (lm_head, rmsnorm) to --model target; its o_proj (gemm_bf16 N=7168 K=8192) is its own (the
-    target's TP1 o_proj is split along K); a draft config.json path works too."""
+    launches too (lm_head) to --model target; its o_proj (gemm_bf16 N=7168 K=8192) is its own (the
+    target's TP1 o_proj is split along K), and so are its norms and its step prologue (the target's first
+    norm runs in its own prologue, at another rope width); a draft config.json path works too."""
     from autotune.__main__ import main
     from bench.meta_model import KIMI_K25_EAGLE3_CONFIG
 
@@ -684,9 +687,10 @@ def test_tune_model_draft_dry_run_lists_the_draft_problems(capsys, tmp_path):
                  "--q-lens", "1"]) == 0
     out = capsys.readouterr().out
     for want in ("gemm_bf16 N=8192,K=14336", "gemm_bf16_splitk N=24576,K=7168", "gemm_bf16_swiglu N=7168,I=12288,S=4",
-                 "mha_decode QL=1,HQ=64,KVH=64,D=128,PS=64", "rope_neox H=64,R=128", "gemm_bf16 N=7168,K=8192"):
+                 "mha_decode QL=1,HQ=64,KVH=64,D=128,PS=64", "rope_neox H=64,R=128", "gemm_bf16 N=7168,K=8192",
+                 "rmsnorm D=7168", "step_prologue H=7168,R2=64"):
         assert f"  {want}\n" in out
-    for shared in ("gemm_bf16 N=163840,K=7168", "rmsnorm D=7168"):
+    for shared in ("gemm_bf16 N=163840,K=7168",):
         assert f"left to --model target: {shared}" in out
 
 
