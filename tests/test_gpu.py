@@ -94,6 +94,35 @@ def test_norms_quant_rope_kimi(M):
         _close(apply_rope(xr, cos, sin, style), apply_rope(xr, cos, sin, style, backend="torch"))
 
 
+@pytest.mark.parametrize("B,QL,r2", [(1, 1, R // 2), (4, 4, R // 2), (2, 4, 64)])
+def test_step_prologue_kimi(B, QL, r2):
+    """The step's bookkeeping launch (ops.step_prologue) against models.step.make_ctx + the rope
+    table + the embedding + rmsnorm: indices and copied rows exact, the normed rows as a norm."""
+    from models.kv_cache import PageTable
+    from models.step import RopeTable, make_ctx
+    from ops.norm import rms_norm
+    from ops.step_prologue import run_prologue
+
+    g = _g(B * 10 + QL)
+    tab = PageTable(B + 1, 512, 64, device=DEV, max_pages=130)
+    tab.lens.copy_(torch.randint(0, 8000, (B + 1,), device=DEV, generator=g).int())
+    tab.bt.copy_(torch.randint(0, 512, (B + 1, 130), device=DEV, generator=g).int())
+    rope = RopeTable(2 * r2, 50000.0, None, torch.device(DEV))
+    rope.ensure(8192)
+    emb = torch.randn(4096, H, device=DEV, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(H, device=DEV, generator=g)).bfloat16()
+    tok = torch.randint(0, 4096, (B, QL), device=DEV, generator=g)
+    seqs = torch.randperm(B + 1, device=DEV, generator=g)[:B]
+    ctx = make_ctx(tab, B, QL, seqs)
+    o = run_prologue(tok, tab.lens, tab.bt, 64, emb, rope.cos, rope.sin, seqs=seqs, norm_w=w, eps=1e-6)
+    c, s = rope(ctx.positions)
+    assert torch.equal(o["positions"], ctx.positions) and torch.equal(o["slots"], ctx.slots)
+    assert torch.equal(o["seq_lens"], ctx.seq_lens) and torch.equal(o["cos"], c) and torch.equal(o["sin"], s)
+    h = emb[tok.reshape(-1)]
+    assert torch.equal(o["h"], h)
+    _close(o["x"], rms_norm(h, w, 1e-6, backend="torch"))
+
+
 def _paged(B: int, ctx: list[int], ps: int, width: int, g: torch.Generator):
     """A shuffled block table over enough pages for ctx, and the lengths."""
     per = -(-max(ctx) // ps)
