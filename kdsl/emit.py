@@ -360,6 +360,14 @@ class Emitter:
         extra = ""
         if a.dtype is T.f32 or f.upcast:
             extra = ', input_precision="ieee"'
+        floats = (T.bf16, T.f16, T.f32)
+        if self.interp and f.dtype is T.f32 and (f.upcast or (a.dtype in floats and b.dtype in floats)) and \
+                (acc is None or acc.dtype is T.f32):
+            # each output summed in f64 whatever the tile's shape (kdsl.interp.dot), as a matrix instruction
+            self.need("from kdsl import interp as _kdi")
+            acc_a = f", {self.aligned(acc, (i, j))}" if acc is not None else ""
+            self.w(f"{r.name} = _kdi.dot({A}, {B}{acc_a})")
+            return
         acc_s = f", acc={self.aligned(acc, (i, j))}" if acc is not None else f", out_dtype={out}"
         self.w(f"{r.name} = tl.dot({A}, {B}{acc_s}{extra})")
 

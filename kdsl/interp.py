@@ -58,6 +58,30 @@ _erf = np.vectorize(math.erf, otypes=[np.float64])
 erf = _f32(_erf)
 
 
+def _as_f64(t: tl.tensor) -> np.ndarray:
+    """A float tensor's values in f64 (bf16 is stored as its uint16 bits)."""
+    d = _data(t)
+    if t.dtype.scalar == tl.bfloat16:
+        d = (d.astype(np.uint32) << 16).view(np.float32)
+    return d.astype(np.float64)
+
+
+def dot(a: tl.tensor, b: tl.tensor, acc: tl.tensor | None = None) -> tl.tensor:
+    """`tl.dot` of float operands into f32 (+ acc), each output's products and their sum taken in
+    f64 and rounded once to f32. Triton's interpreter multiplies in f32 with numpy's matmul, whose
+    blocking, and so each output's summation order, follows the tile's shape: a wider tile changed
+    bits. A GPU's matrix instruction sums an output's K products the same way at any tile width
+    (tests/test_gemm_rmsnorm.py reads the instruction from the compiled code); here the products of
+    bf16, f16 and f32 values are exact and their f64 sum is exact or within 2^-45 of it, so the tile's
+    other dims change no bit of the f32 result (short of a sum that lands that close to a rounding
+    boundary)."""
+    with np.errstate(all="ignore"):
+        r = np.matmul(_as_f64(a), _as_f64(b))
+        if acc is not None:
+            r = r + _as_f64(acc)
+    return _wrap(r.astype(np.float32), tl.float32)
+
+
 def pow(x: tl.tensor, y) -> tl.tensor:  # noqa: A001
     """libdevice pow in f32 (x and y tensors or numbers, broadcast-compatible)."""
     yd = _data(y) if isinstance(y, tl.tensor) else np.float32(y)

@@ -276,8 +276,9 @@ def gemm_bf16_rmsnorm_kernel(x: kd.In["S", "M", "K", kd.f32], xw: kd.In["K", kd.
     q_c. That elementwise work runs over the BLOCK_M rows of the tile only: a tile under 16 rows
     sums its squares a row at a time (ROW_SQUARES=1) and kd.pad places it at its own rows of the
     aligned 16 of the matrix dot (zeros around it), so a row's bits do not depend on BLOCK_M (1 to
-    16: a launch-only key, each M bucket takes its own); a 16-row tile may instead sum in one 2-D
-    reduction per NORM_K tile (ROW_SQUARES=0: less VALU at prefill, other bits). SPLIT_K is the op's
+    16: a launch-only key, each M bucket takes its own), nor a column's on BLOCK_N (the 16-row dot is
+    one matrix instruction at every BLOCK_N: launch-only too); a 16-row tile may instead sum in one
+    2-D reduction per NORM_K tile (ROW_SQUARES=0: less VALU at prefill, other bits). SPLIT_K is the op's
     split count (it allocates part [SPLIT_K, M, N]); the kernel splits by part's P dim."""
     kd.tunable("SPLIT_K", SPLIT_K_DOMAIN, 1, "output splits along K (the P dim of part): more programs",
                search=NORM_SPLIT_SEARCH)

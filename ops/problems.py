@@ -255,8 +255,11 @@ MODELS: list[ProblemModel] = [
                  derived=lambda p, m, c: {"S": p.get("S", 1), **_rmsnorm_split(p, c)}, loop_dim="KS",
                  extra_bytes_fn=lambda p, m, d: 2.0 * m * p["N"] * (4 * d["P"] - 2),
                  # a row sits at its own place (row mod 16) of one aligned 16-row dot at any BLOCK_M;
-                 # ROW_SQUARES, the numerics key, admits the BLOCK_M values of its mode
-                 launch_keys=("BLOCK_M",)),
+                 # ROW_SQUARES, the numerics key, admits the BLOCK_M values of its mode. A column is its
+                 # own column of that dot at any BLOCK_N: the 16-row dot compiles to one matrix
+                 # instruction at every BLOCK_N of the domain (16x16 MFMA on gfx942 / gfx950, m16n8k16
+                 # on sm90: tests/test_gemm_rmsnorm.py), so an output's K order is the BLOCK_K loop's
+                 launch_keys=("BLOCK_M", "BLOCK_N")),
     # gemm_bf16_rmsnorm over r = bf16(x + res) with r stored (ops.gemm_addnorm: a layer's first GEMM at
     # world size > 1): the GEMM bytes, the norm weight, the residual read and r written (2 + 2 bytes a
     # row element; the prologue's re-reads of both rows hit L2); its own split-K partials as above

@@ -748,15 +748,19 @@ def test_keep_numerics_tunes_launch_keys_of_the_files_tile(tmp_path, monkeypatch
 def test_forced_tile_keeps_only_the_launch_keys_its_rules_admit(tmp_path):
     """A kept numerics tile with ROW_SQUARES=0 (gemm_bf16_rmsnorm: a 2-D squares reduction, 16-row
     tiles only) admits no BLOCK_M under 16 (kd.require): those candidates are pruned before any
-    compile instead of failing the tune (they once raised ConfigError when scored)."""
+    compile instead of failing the tune (they once raised ConfigError when scored); the tile's
+    numerics keys are kept, its launch-only BLOCK_N may move."""
     from autotune import search
+    from autotune.problems import launch_only_keys
     from ops.gemm import gemm_bf16_rmsnorm_kernel as R
 
     tile = {"BLOCK_K": 64, "BLOCK_N": 64, "NORM_K": 256, "ROW_SQUARES": 0, "SPLIT_K": 2, "num_warps": 4}
     _, doc = search.tune(R, "gfx942", {"N": 256, "K": 512}, [1, 4], numerics=search._numerics(tile, R),
                          max_candidates=8, out=str(tmp_path), write=False, progress=False, workers=1)
     assert [e["config"]["BLOCK_M"] for e in doc["entries"]] == [16, 16]
-    assert all(e["config"][k] == v for e in doc["entries"] for k, v in tile.items())
+    assert all(e["config"][k] == v for e in doc["entries"] for k, v in tile.items()
+               if k not in launch_only_keys(R, e["config"]))
+    assert "BLOCK_N" in launch_only_keys(R, tile)
 
 
 def test_rewriting_some_buckets_retunes_the_others_under_the_new_tile(tmp_path, monkeypatch):

@@ -158,6 +158,46 @@ def test_block_m_changes_no_bit(M):
     assert ((outs[0].double() - ref.double()).abs() <= _bound(xr, xw, w, ref)).all()
 
 
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_block_n_changes_no_bit(M):
+    """BLOCK_N is a launch-only key too (each M bucket takes its own): every element's bits are the
+    same at BLOCK_N 16, 32, 64 (the last tile past N masked), with 1 or 2 output splits; the output is
+    a view of a bigger poisoned buffer: no column past N is written."""
+    N, K, S = 48, 96, 2
+    g = torch.Generator().manual_seed(70 + M)
+    x = torch.randn(S, M, K, generator=g) * 3.0
+    xw, w = torch.randn(K, generator=g).bfloat16(), (torch.randn(N, K, generator=g) * 0.2).bfloat16()
+    for p in (1, 2):
+        outs = []
+        for bn in (16, 32, 64):
+            buf = poisoned((p, M, N + 16), torch.float32)
+            G.gemm_bf16_rmsnorm_kernel(x, xw, w, buf[:, :, :N], 1e-6,
+                                       config={**BM_INVARIANT, "BLOCK_M": 16 if M == 16 else 1, "BLOCK_N": bn})
+            assert buf[:, :, N:].isnan().all() and not buf[:, :, :N].isnan().any()
+            outs.append(buf[:, :, :N].clone())
+        for o in outs[1:]:
+            assert torch.equal(o.view(torch.int32), outs[0].view(torch.int32))
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950", "sm90"])
+def test_block_n_keeps_the_matrix_instruction(arch):
+    """Why BLOCK_N changes no bit on the GPU: the dot of the aligned 16 rows compiles to one and the
+    same matrix instruction at every BLOCK_N of the domain, at 1 or 16 rows a tile (a 32-wide
+    instruction would sum K in another order), so each output's K order is the BLOCK_K loop's."""
+    from kdsl import aot
+
+    cfg = {"SPLIT_K": 2, "NORM_K": 64, "BLOCK_K": 64, "num_warps": 8}
+    seen = set()
+    for bm in (1, 16):
+        for bn in (min(G.BN_DOMAIN), 64, max(G.BN_DOMAIN)):
+            rep = aot.report(G.gemm_bf16_rmsnorm_kernel, arch, {**cfg, "BLOCK_M": bm, "ROW_SQUARES": int(bm < 16),
+                                                                "BLOCK_N": bn},
+                             {"S": 2, "P": 2, "M": bm, "N": 2112, "K": 7168})
+            assert rep.ok, rep.errors
+            seen.add(tuple(sorted(rep.matrix_instructions)))
+    assert len(seen) == 1 and len(next(iter(seen))) == 1, seen
+
+
 def test_small_tile_needs_row_squares():
     """A tile under 16 rows sums its squares a row at a time: ROW_SQUARES=0 is rejected there."""
     import kdsl as kd

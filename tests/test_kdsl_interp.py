@@ -102,6 +102,33 @@ def test_interpreter_fma_rounds_the_exact_sum():
     assert (a.astype(np.float64) * a + c).astype(np.float32)[0] == down  # the double rounding it avoids
 
 
+@kd.kernel
+def i_dot(a: kd.In["M", "K", kd.bf16], b: kd.In["N", "K", kd.bf16], out: kd.Out["M", "N", kd.f32]):
+    m, n = kd.grid(kd.tile("M", "BLOCK_M", domain=(16,), default=16),
+                   kd.tile("N", "BLOCK_N", domain=(16, 32, 64), default=16))
+    out[m, n] = kd.fold(kd.tiles("K", block="BLOCK_K", domain=(32,), default=32), kd.zeros((m, n), kd.f32),
+                        lambda k, acc: acc + kd.dot(a[m, k], b[n, k]))
+
+
+def test_interpreter_dot_does_not_depend_on_the_tile():
+    """On the interpreter a dot's output does not depend on the tile's width (kdsl.interp.dot: f64
+    products and sum, one rounding, as a matrix instruction sums an output's K products at any tile
+    width; numpy's f32 matmul changed bits with it), and each K step adds the exact dot rounded once."""
+    g = gen(9)
+    M, N, K = 16, 64, 96
+    a, b = torch.randn(M, K, generator=g).bfloat16(), torch.randn(N, K, generator=g).bfloat16()
+    outs = []
+    for bn in (16, 32, 64):
+        out = poisoned((M, N), torch.float32)
+        i_dot(a, b, out, config={"BLOCK_N": bn})
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    want = torch.zeros(M, N, dtype=torch.float32)
+    for k0 in range(0, K, 32):
+        want = (want.double() + a[:, k0:k0 + 32].double() @ b[:, k0:k0 + 32].double().T).float()
+    assert torch.equal(outs[0], want)
+
+
 # ---------------------------------------------------------------------------------------------
 # fold with tuple state: online softmax
 
