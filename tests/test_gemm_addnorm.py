@@ -170,12 +170,15 @@ def test_splitk_partials_variants(S, M, cfg, quant):
 
 @pytest.mark.parametrize("M", [1, 5, 16])
 def test_block_m_changes_no_bit(M):
-    """BLOCK_M is a launch-only key: the same bits at 1, 2, 4, 8, 16 rows a tile (NORM_K < K:
-    several tiles per row's squares), within the bound of the float64 reference."""
-    N, K = 32, 200
+    """BLOCK_M and BLOCK_N are launch-only keys: the same bits at 1, 2, 4, 8, 16 rows a tile and at
+    16, 32, 64 columns (NORM_K < K: several tiles per row's squares; the first column tile's programs,
+    which store the residual, cover other columns at each width), within the bound of the float64
+    reference."""
+    N, K = 48, 200
     x, res, xw, w = _case(M, N, K, seed=70 + M)
     base = {"BLOCK_N": 16, "BLOCK_K": 32, "NORM_K": 64, "SPLIT_K": 2}
     outs = [_launch(x, res, xw, w, {**base, "BLOCK_M": bm}) for bm in (1, 2, 4, 8, 16)]
+    outs += [_launch(x, res, xw, w, {**base, "BLOCK_M": 1, "BLOCK_N": bn}) for bn in (32, 64)]
     for part, r_out in outs[1:]:
         assert torch.equal(part, outs[0][0]) and torch.equal(r_out, outs[0][1])
     yr = rmsnorm_ref(A.residual_sum_ref(x, res), xw, 1e-6).double()

@@ -181,20 +181,24 @@ def test_block_n_changes_no_bit(M):
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950", "sm90"])
 def test_block_n_keeps_the_matrix_instruction(arch):
-    """Why BLOCK_N changes no bit on the GPU: the dot of the aligned 16 rows compiles to one and the
-    same matrix instruction at every BLOCK_N of the domain, at 1 or 16 rows a tile (a 32-wide
-    instruction would sum K in another order), so each output's K order is the BLOCK_K loop's."""
+    """Why BLOCK_N changes no bit on the GPU: the dot of the aligned 16 rows (ops.gemm.output_split_gemm,
+    also gemm_bf16_addnorm's main loop) compiles to one and the same matrix instruction at every
+    BLOCK_N of the domain, at 1 or 16 rows a tile (a 32-wide instruction would sum K in another
+    order), so each output's K order is the BLOCK_K loop's."""
     from kdsl import aot
+    from ops.gemm_addnorm import gemm_bf16_addnorm_kernel as Q
 
     cfg = {"SPLIT_K": 2, "NORM_K": 64, "BLOCK_K": 64, "num_warps": 8}
     seen = set()
     for bm in (1, 16):
         for bn in (min(G.BN_DOMAIN), 64, max(G.BN_DOMAIN)):
-            rep = aot.report(G.gemm_bf16_rmsnorm_kernel, arch, {**cfg, "BLOCK_M": bm, "ROW_SQUARES": int(bm < 16),
-                                                                "BLOCK_N": bn},
-                             {"S": 2, "P": 2, "M": bm, "N": 2112, "K": 7168})
-            assert rep.ok, rep.errors
-            seen.add(tuple(sorted(rep.matrix_instructions)))
+            c = {**cfg, "BLOCK_M": bm, "BLOCK_N": bn}
+            for kernel, cc, dims in ((G.gemm_bf16_rmsnorm_kernel, {**c, "ROW_SQUARES": int(bm < 16)},
+                                      {"S": 2, "P": 2, "M": bm, "N": 2112, "K": 7168}),
+                                     (Q, c, {"P": 2, "M": bm, "N": 2112, "K": 7168})):
+                rep = aot.report(kernel, arch, cc, dims)
+                assert rep.ok, rep.errors
+                seen.add(tuple(sorted(rep.matrix_instructions)))
     assert len(seen) == 1 and len(next(iter(seen))) == 1, seen
 
 
