@@ -46,8 +46,8 @@ def step_prologue(tokens: kd.In["T", kd.i64], lens: kd.In["NS", kd.i32], bt: kd.
     """Row t = b * QL + j of sequence s = seqs[b] (SQ=1; else b): row index r = lens[s] + j, slot
     bt[s, min(r // PS, MP - 1)] * PS + r % PS, position r (POS 0), lens[s] + offs[t] (1) or offs[t]
     (2), cos/sin rows at the position, seq_lens[b] = lens[s] + QL (written by j = 0; 0 for an s
-    outside the table), h = embed[token],
-    x = rmsnorm(h) * w (NORM=1; the f32 expression of ops.norm.rmsnorm)."""
+    outside the table), h = embed[token], x = rmsnorm(h) * w (NORM=1; the f32 expression of
+    ops.norm.rmsnorm)."""
     (t,) = kd.grid(kd.each("T"))
     ql = kd.static("QL")
     ps = kd.static("PS")
