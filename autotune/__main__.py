@@ -230,7 +230,7 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
                 f"(re-tune)")
             stale += 1
         pm = model_for(k)
-        if pm.configs_of is not None:   # its launches run the base kernel's configs: its figures must be of those
+        if pm.configs_of is not None:   # its launches keep the base kernel's numerics: they must still be the base's
             moved = _configs_of_moved(k, pm.configs_of, doc, root, reg)
             if moved:
                 log(f"STALE {path}: {moved} (re-tune it after {pm.configs_of}: python -m autotune tune {k.name} ...)")
@@ -290,11 +290,11 @@ def check_files(root: str | None, compile: bool = True, sample: int | None = Non
 
 
 def _configs_of_moved(kernel: Any, base_name: str, doc: dict[str, Any], root: str | None, reg: dict) -> str:
-    """Why a `configs_of` kernel's file no longer holds its base's configs ('' when it does): each
-    bucket's config must be the base file's at that bucket (the base was re-tuned, or is gone)."""
-    from .buckets import bucket_m
+    """Why a `configs_of` kernel's file no longer keeps its base's numerics ('' when it does): every
+    bucket's numerics keys must be the base file's tile (the base was re-tuned to another, or is gone)."""
     from .problems import strip_m
-    from .store import file_path, load_file, select_entry
+    from .search import file_numerics
+    from .store import file_path, load_file
 
     base = reg[base_name]
     path = file_path(base, doc["arch"], strip_m(base, doc["problem"]))
@@ -302,13 +302,9 @@ def _configs_of_moved(kernel: Any, base_name: str, doc: dict[str, Any], root: st
         path = os.path.join(root, doc["arch"], os.path.basename(path))
     if not os.path.exists(path):
         return f"no file of {base_name} at its problem ({path})"
-    bdoc = load_file(path, known_kernels=reg)
-    moved = []
-    for e in doc["entries"]:
-        be = select_entry(bdoc, bucket_m(e["bucket"]))
-        if be is None or any(e["config"].get(k) != v for k, v in be["config"].items()):
-            moved.append(e["bucket"])
-    return f"buckets {moved} hold other configs than {path}" if moved else ""
+    tile = dict(file_numerics(base, load_file(path, known_kernels=reg)) or ())
+    moved = [e["bucket"] for e in doc["entries"] if any(e["config"].get(k) != v for k, v in tile.items())]
+    return f"buckets {moved} hold other numerics than {path}" if moved else ""
 
 
 def cmd_check(a: argparse.Namespace) -> int:

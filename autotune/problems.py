@@ -82,10 +82,11 @@ class ProblemModel:
     # kernels whose programs this one runs with another epilogue (the same tunables and tiles): their
     # tuned files at this problem (their key dims of it), any arch, join the tuner's warm start
     tiles_from: tuple[str, ...] = ()
-    # the kernel whose tuned configs this one's launches run with (the same grid, tiles and main loop
-    # plus a serial tail after the grid, `tail_fn`): its files hold the base kernel's config at each
-    # bucket, nothing searched, and this kernel's own figures there (spills included), so that an op
-    # can ask whether the tail pays; tune the base first, `autotune check` compares the two
+    # the kernel whose numerics this one's launches keep (the same grid and main loop plus a serial
+    # tail after the grid, `tail_fn`): its files hold the base file's numerics tile at every bucket
+    # with launch keys searched for this kernel (spills included in its figures), so its outputs
+    # equal the base's bit for bit and an op can ask whether the tail pays; tune the base first,
+    # `autotune check` compares the two
     configs_of: str | None = None
 
 

@@ -465,11 +465,13 @@ def _traces(kernel: Any, target: Target, config: dict[str, Any], dims: dict[str,
     return True
 
 
-def _configs_of_spaces(kernel: Any, base_name: str, target: Target, prob: dict[str, Any], buckets: list,
-                       spaces: dict, out: str | None) -> list:
-    """A `configs_of` kernel's candidates: at each bucket only the config the base kernel's tuned file
-    (under `out`, else the package's) holds there, where this kernel's rules admit it; returns the
-    buckets that have one (a ValueError when none: tune the base first)."""
+def _configs_of_numerics(kernel: Any, base_name: str, target: Target, prob: dict[str, Any], buckets: list,
+                         out: str | None) -> tuple[list, tuple, dict[Any, dict[str, Any]]]:
+    """A `configs_of` kernel's numerics: those of its base kernel's tuned file (under `out`, else the
+    package's), which every bucket keeps while its launch keys are searched. Returns (the buckets the
+    base file has an entry at, the numerics tile, bucket -> the base's config there: a candidate of
+    that bucket whatever the sampled space holds); a ValueError when there is no file (tune the base
+    first)."""
     from kdsl.kernel import REGISTRY
 
     from .store import load_file, select_entry
@@ -480,19 +482,18 @@ def _configs_of_spaces(kernel: Any, base_name: str, target: Target, prob: dict[s
     if out and os.path.exists(os.path.join(out, target.name, os.path.basename(path))):
         path = os.path.join(out, target.name, os.path.basename(path))
     if not os.path.exists(path):
-        raise ValueError(f"{kernel.name} runs {base_name}'s tuned configs: no file {path} (tune {base_name} first)")
+        raise ValueError(f"{kernel.name} keeps {base_name}'s tuned numerics: no file {path} (tune {base_name} first)")
     doc = load_file(path)
-    kept = []
+    tile = file_numerics(base, doc)
+    kept, configs = [], {}
     for b in buckets:
         e = select_entry(doc, bucket_m(b))
-        cfg = dict(e["config"]) if e is not None and e["bucket"] == b else None
-        ok = cfg is not None and _traces(kernel, target, cfg, full_dims(kernel, prob, bucket_m(b), cfg, target))
-        spaces[b].candidates[:] = [cfg] if ok else []
-        if ok:
+        if e is not None and e["bucket"] == b:
             kept.append(b)
-    if not kept:
-        raise ValueError(f"{kernel.name}: none of the buckets {buckets} has a config in {path} that it admits")
-    return kept
+            configs[b] = dict(e["config"])
+    if not kept or tile is None:
+        raise ValueError(f"{kernel.name}: none of the buckets {buckets} has an entry in {path}")
+    return kept, tile, configs
 
 
 def parse_ms(items: list[Any]) -> list[int | str]:
@@ -565,8 +566,9 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     priors = _prior_configs(kernel, target, static, prior_path) if pm.configs_of is None else []
     for other in _warm_start_files(kernel, target, prob, out) if pm.configs_of is None else ():
         priors += [c for c in _prior_configs(kernel, target, static, other) if c not in priors]
-    if pm.configs_of is not None:  # nothing searched: the base kernel's config at each bucket
-        buckets = _configs_of_spaces(kernel, pm.configs_of, target, prob, buckets, spaces, out)
+    base_tile, own = None, {}
+    if pm.configs_of is not None:  # the base file's numerics at every bucket
+        buckets, base_tile, own = _configs_of_numerics(kernel, pm.configs_of, target, prob, buckets, out)
     options = {o.name for o in target.options}
     for b in buckets:
         for c in priors:
@@ -582,11 +584,26 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
         forced = forced or file_numerics(kernel, load_file(prior_path))
     if numerics is not None:
         forced = numerics
+    if base_tile is not None:
+        forced = base_tile
     if forced is not None:  # every candidate takes the reference tile; only launch keys vary, within its rules
         for b in buckets:       # (a kept ROW_SQUARES=0 tile admits no BLOCK_M under 16: kd.require)
             cm = compile_m(kernel, prob, bucket_m(b), target)
             spaces[b].candidates[:] = [c for c in with_numerics(spaces[b].candidates, forced, kernel)
                                        if _traces(kernel, target, c, full_dims(kernel, prob, cm, c, target))]
+    # a configs_of kernel's bucket first tries the config its base runs there and the one its own
+    # file holds (with the base's numerics), whatever the sampled space holds (a base's BLOCK_M of 2
+    # at bucket 1 lies outside that bucket's domain): re-tuning never loses either
+    mine = {e["bucket"]: e["config"] for e in (load_file(prior_path)["entries"] if own and os.path.exists(prior_path)
+                                               else [])}
+    for b in own:
+        for c in (own[b], mine.get(b)):
+            if c is None:
+                continue
+            c = with_numerics([dict(kernel.specialize(c, target, static).config)], forced, kernel)[0]
+            cm = compile_m(kernel, prob, bucket_m(b), target)
+            if c not in spaces[b].candidates and _traces(kernel, target, c, full_dims(kernel, prob, cm, c, target)):
+                spaces[b].candidates.insert(0, c)
     # unique compiles: (config, signature class of M)
     # round robin over the buckets, so a budget stop still leaves every bucket candidates
     jobs: dict[tuple, tuple[dict, dict]] = {}
@@ -623,14 +640,14 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     # tile at random: each bucket's best first tries every value of its domain, then the options
     # where the buckets pick independently, each one's best tries the model's launch_keys the same way
     # (lowering choices that change no bit, e.g. the int4 unpack of the exact W4A8 stages)
-    if shared is None:
-        tun = () if pm.shared_numerics or pm.configs_of is not None else \
+    if shared is None or pm.configs_of is not None:
+        tun = () if pm.shared_numerics else \
             tuple(n for n in pm.launch_keys if all(n in spaces[b].domains for b in buckets))
     if tun and not budget_hit:
         first = _launch_polish(kernel, target, prob, scored_prob, buckets, spaces, jobs, reports, shared, tun)
         jobs.update(first)
         budget_hit = _compile(kernel, target, first, reports, workers, deadline, progress)
-    polish = {} if budget_hit or pm.configs_of is not None else \
+    polish = {} if budget_hit else \
         _launch_polish(kernel, target, prob, scored_prob, buckets, spaces, jobs, reports, shared)
     if polish:
         jobs.update(polish)
@@ -645,7 +662,7 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
         if shared is None:
             pool = list(spaces[b].candidates)
             seen = {_cfg_key(c) for c in pool}
-            for key, (c, _) in jobs.items() if pm.configs_of is None else ():
+            for key, (c, _) in jobs.items():
                 if key[0] not in seen and spaces[b].admits(c):
                     pool.append(c)
                     seen.add(key[0])

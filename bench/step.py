@@ -288,7 +288,7 @@ def _problems(recs: list[StepRecord], batch: int, largest: bool = False) -> list
     out: dict[tuple, tuple[Any, dict[str, Any], int]] = {}
     for rec in recs:
         looked = {e["kernel"] for e in rec.lookups}
-        for r in rec.launches:   # a configs_of kernel runs its base's looked-up config: its figures have a file
+        for r in rec.launches:   # a configs_of kernel keeps its base's looked-up numerics: its figures have a file
             if r.kernel.name not in looked and model_for(r.kernel).configs_of not in looked:
                 continue
             p = strip_m(r.kernel, r.dims)
@@ -448,7 +448,7 @@ def cost_step(rec: StepRecord, cfg: Any, arch: str, ctx: int, gap: str = "graph"
             bound = fig.get("bound", "")
         except Exception as e:  # noqa: BLE001 - a launch the model cannot score is shown, not dropped
             pred, floor, bound = math.nan, math.nan, f"unscored: {type(e).__name__}: {e}"[:80]
-        names = (k.name, model_for(k).configs_of)      # a configs_of kernel runs its base's looked-up config
+        names = (k.name, model_for(k).configs_of)      # a configs_of kernel keeps its base's looked-up numerics
         looks = [e for e in rec.lookups if e["kernel"] in names and e["launch_index"] is not None
                  and e["launch_index"] <= i]
         tuned = "no lookup" if not looks else ("tuned" if looks[-1]["hit"] else "fallback")

@@ -402,7 +402,7 @@ def gemm_bf16_addnorm(x: torch.Tensor, res: torch.Tensor, x_norm_w: torch.Tensor
     if route is not None and not (normed or quant):
         raise ValueError(f"{name}: route= needs normed=True or quant=True (the MoE half's first GEMM)")
     kern = kernel_for(normed, quant, splitk, route is not None)
-    # the route form runs its base kernel's config: the same bits with or without the tail
+    explicit = config
     config = addnorm_config(M, N, K, config, invariant, kernel_for(normed, quant, splitk), x.shape[0] if splitk else 0)
     if backend == "torch":
         from ops.norm import rms_norm_quant_ref, rmsnorm_ref
@@ -429,13 +429,47 @@ def gemm_bf16_addnorm(x: torch.Tensor, res: torch.Tensor, x_norm_w: torch.Tensor
     routed: tuple = ()
     if route is not None:
         routed, rargs = _route_operands(name, route, res, w)
-        if M:
+        if M:      # the route form: its base's numerics, launch keys of its own (its file's)
+            rcfg = config if explicit is not None else _route_config(kern, config, N, K, x.shape[0] if splitk else 0,
+                                                                     route, M)
             lo = route.local[0] if route.local is not None else 0
             kern(x, res, x_norm_w, w, part, res_out, *extra, *rargs, float(eps), float(route.routed_scaling_factor),
-                 int(lo), config=config)
+                 int(lo), config=rcfg)
     elif M:
         kern(x, res, x_norm_w, w, part, res_out, *extra, float(eps), config=config)
     return (part if partials else splitk_sum_ref(part), res_out, *extra, *routed)
+
+
+def _route_key(route: RouteTail) -> dict[str, int]:
+    """The route form's key dims beyond its base's (moe_route_align's)."""
+    E = route.bias.shape[0]
+    return {"E": E, "TOPK": route.top_k, "NG": route.n_group, "EA": route.local[1] if route.local is not None else E,
+            "BM": route.block_m}
+
+
+def _route_config(kernel: Any, base_config: dict[str, Any], N: int, K: int, splits: int, route: RouteTail,
+                  M: int) -> dict[str, Any]:
+    """The route form's config at M: its own file's (the base file's numerics tile, launch keys
+    searched for the longer kernel: autotune configs_of) where that file keeps the numerics of
+    `base_config`, else `base_config` itself (no file, or one tuned against other numerics): the
+    GEMM's bits are the base's either way."""
+    import warnings
+
+    from autotune import lookup_config
+    from autotune.problems import launch_only_keys
+    from autotune.store import lookup_figures
+
+    prob = {"N": N, "K": K, **({"S": splits} if splits else {}), **_route_key(route)}
+    arch = kd.current_target().name
+    if lookup_figures(kernel, arch, prob, max(M, 1)) is None:
+        return base_config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        own = lookup_config(kernel, arch, prob, max(M, 1))
+    keys = launch_only_keys(kernel, own)
+    if any(own.get(k) != v for k, v in base_config.items() if k not in keys):
+        return base_config
+    return own
 
 
 def _route_torch(route: RouteTail, rows: torch.Tensor, w: torch.Tensor, parts: torch.Tensor) -> tuple:
@@ -530,13 +564,15 @@ def route_tail_pays(arch: str, N: int, K: int, rows: int, quant: bool, splits: i
     """Whether the shared gate|up + router GEMM (gemm_bf16_addnorm's _y / _yq form at (N, K), over
     `splits` split-K partials: _splitk_) routes `rows` tokens in its last program (`route=`) rather
     than leave it to moe_route_align (_local with `n_local` < `n_experts` experts), by the tuned files:
-    the route form's figures (its own file, at the base kernel's config: spills of the longer kernel
-    show there) against the base's + route_align's + the launch gap, at rows' bucket. Per bucket, not
-    per deployment: the tail changes no bit of the GEMM or of the routing. No files: False."""
+    the route form's figures (its own file: the base file's numerics, its own launch keys; spills of
+    the longer kernel show there) against the base's + route_align's + the launch gap, at rows'
+    bucket. Per bucket, not per deployment: the tail changes no bit of the GEMM or of the routing. No
+    files: False."""
     import warnings
 
     from autotune import lookup_config
     from autotune.costmodel import launch_gap_us
+    from autotune.problems import launch_only_keys
     from ops.moe import moe_route_align, moe_route_align_local
     from ops.splitk_norm import _figure
 
@@ -548,8 +584,9 @@ def route_tail_pays(arch: str, N: int, K: int, rows: int, quant: bool, splits: i
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ran, want = lookup_config(route, arch, {**prob, **rkey}, rows), lookup_config(base, arch, prob, rows)
-    if any(ran.get(k) != v for k, v in want.items()):
-        return False     # the route file was tuned at another config of the base: its figures say nothing
+    keys = launch_only_keys(route, ran)
+    if any(ran.get(k) != v for k, v in want.items() if k not in keys):
+        return False     # the route file was tuned against other numerics of the base: its figures say nothing
     align = moe_route_align_local if n_local < n_experts else moe_route_align
     tail, gemm, alone = (_figure(route, arch, {**prob, **rkey}, rows), _figure(base, arch, prob, rows),
                          _figure(align, arch, rkey, rows))

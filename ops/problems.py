@@ -264,18 +264,15 @@ MODELS: list[ProblemModel] = [
     # world size > 1): the GEMM bytes, the norm weight, the residual read and r written (2 + 2 bytes a
     # row element; the prologue's re-reads of both rows hit L2); its own split-K partials as above
     # (gemm_bf16_addnorm_y: the normed rows y written too, 2 more bytes a row element; _yq: and their
-    # int8 codes, 1 more, plus a scale per row). gemm_bf16_addnorm's BLOCK_N is launch-only as
-    # gemm_bf16_rmsnorm's (the same main loop, ops.gemm.output_split_gemm; the first column tile's
-    # stores are the same values at any width). The gate|up forms keep it a numerics key: their route
-    # forms run the base's tuned configs (configs_of), and a base free to narrow its tiles for itself
-    # takes widths at which its route form loses (gfx950 TP8 _y at one row: 3.7 -> 5.1 us)
+    # int8 codes, 1 more, plus a scale per row). BLOCK_M and BLOCK_N are launch-only as in
+    # gemm_bf16_rmsnorm (the same main loop, ops.gemm.output_split_gemm; the first column tile's
+    # stores are the same values at any width); the route forms search their own (configs_of)
     *(ProblemModel(name, ("N", "K"), peak_dtype="bf16",
                    bytes_fn=lambda p, m, ob=ob: _gemm(2, 2, "bf16")[0](p, m) + 2 * p["K"] + ob * m * p["K"],
                    flops_fn=lambda p, m: _gemm(2, 2, "bf16")[1](p, m) + 5.0 * m * p["K"], shared_numerics=True,
                    derived=lambda p, m, c: _rmsnorm_split(p, c), loop_dim="KS",
                    extra_bytes_fn=lambda p, m, d: 2.0 * m * p["N"] * (4 * d["P"] - 2),
-                   launch_keys=("BLOCK_M", "BLOCK_N") if name == "gemm_bf16_addnorm" else ("BLOCK_M",),
-                   tiles_from=("gemm_bf16_rmsnorm", "gemm_bf16_addnorm"))
+                   launch_keys=("BLOCK_M", "BLOCK_N"), tiles_from=("gemm_bf16_rmsnorm", "gemm_bf16_addnorm"))
       for name, ob in (("gemm_bf16_addnorm", 4), ("gemm_bf16_addnorm_y", 6), ("gemm_bf16_addnorm_yq", 7))),
     # the same at world size 1 over o_proj's S split-K f32 partials (their traffic charged to
     # gemm_bf16_splitk, which writes them, as for gemm_bf16_rmsnorm); S is part of the key: every
@@ -285,7 +282,7 @@ MODELS: list[ProblemModel] = [
                    flops_fn=lambda p, m: _gemm(2, 2, "bf16")[1](p, m) + 5.0 * m * p["K"], shared_numerics=True,
                    derived=lambda p, m, c: _rmsnorm_split(p, c), loop_dim="KS",
                    extra_bytes_fn=lambda p, m, d: 2.0 * m * p["N"] * (4 * d["P"] - 2),
-                   launch_keys=("BLOCK_M",), tiles_from=("gemm_bf16_addnorm_y", "gemm_bf16_addnorm_yq"))
+                   launch_keys=("BLOCK_M", "BLOCK_N"), tiles_from=("gemm_bf16_addnorm_y", "gemm_bf16_addnorm_yq"))
       for name, ob in (("gemm_bf16_addnorm_splitk_y", 6), ("gemm_bf16_addnorm_splitk_yq", 7))),
     # split-K: the floor of the plain GEMM; the f32 partials [S, M, N] written and read back once by
     # the consumers are the split's extra traffic; S = SPLIT_K more programs, each looping over KS
@@ -380,8 +377,8 @@ _ROUTE_BASES = ("gemm_bf16_addnorm_y", "gemm_bf16_addnorm_yq", "gemm_bf16_addnor
 _ROUTE_KEY = ("E", "TOPK", "NG", "EA", "BM")
 MODELS[:0] = [  # ahead of the gemm_bf16* wildcard
     # the _y / _yq forms whose last program routes the tokens (ops.gemm_addnorm._route_tail): the base
-    # kernel's grid and main loop at its tuned config (configs_of), plus the route's serial tail; keyed
-    # by the base's dims and moe_route_align's
+    # kernel's grid and main loop with the base file's numerics tile and launch keys of their own
+    # (configs_of), plus the route's serial tail; keyed by the base's dims and moe_route_align's
     *(dataclasses.replace(base, pattern=base.pattern + "_route", key_dims=base.key_dims + _ROUTE_KEY,
                           derived=lambda p, m, c, d=base.derived: {**d(p, m, c), **_route_tail_derived(p, m, c)},
                           shared_numerics=False, tiles_from=(), configs_of=base.pattern, tail_fn=_route_tail_work)

@@ -65,8 +65,8 @@ def test_route_tail_refuses_what_one_program_cannot_route():
 
 
 def test_route_tail_pays_where_the_files_say():
-    """route_tail_pays reads the route form's own file (its base's config at each bucket, its own
-    figures): on gfx942 the W4A16 and W4A8 forms pay at 1 to 4 rows; at 8 rows the longer kernel
+    """route_tail_pays reads the route form's own file (its base's numerics at each bucket, its own
+    launch keys and figures): on gfx942 the W4A16 and W4A8 forms pay at 1 to 4 rows; at 8 rows the longer kernel
     spills where its base does not (its figure says so: the separate route_align launch stays); more
     tokens than one program routes (route_tail_fits), no files, or a split count without files: never."""
     pays = A.route_tail_pays
@@ -116,15 +116,17 @@ def test_recorded_step_routes_in_the_gemm_where_it_pays():
                                                             "w4a8", "gfx942")]
     assert ("moe_route_align", rp) in got
 @pytest.mark.aot
-def test_configs_of_tune_takes_the_base_configs_and_check_sees_them_move(tmp_path):
-    """`autotune tune` of a route kernel searches nothing: each bucket holds the base file's config
-    (its own figures); `autotune check` flags the route file stale once the base file changes."""
+def test_configs_of_tune_keeps_the_base_numerics_and_check_sees_them_move(tmp_path):
+    """`autotune tune` of a route kernel keeps the base file's numerics tile at every bucket and
+    searches only its launch keys (its own figures, the longer kernel's); `autotune check` flags the
+    route file stale once the base's numerics change, not when only its launch keys do."""
     import json
     import shutil
 
     from autotune import store
     from autotune.__main__ import check_files
-    from autotune.search import tune
+    from autotune.problems import launch_only_keys
+    from autotune.search import file_numerics, predict_config, tune
 
     base = A.kernel_for(True, True, True)
     bprob = {"N": 4480, "K": 7168, "S": 4}
@@ -132,19 +134,34 @@ def test_configs_of_tune_takes_the_base_configs_and_check_sees_them_move(tmp_pat
     bpath = shutil.copy(store.file_path(base, "gfx942", bprob), tmp_path / "gfx942")
     route = A.kernel_for(True, True, True, route=True)
     rprob = {**bprob, "E": 384, "TOPK": 8, "NG": 1, "EA": 384, "BM": 16}
-    _, doc = tune(route, "gfx942", rprob, [1], out=str(tmp_path), progress=False, workers=1)
+    _, doc = tune(route, "gfx942", rprob, [1], out=str(tmp_path), progress=False, workers=1, max_candidates=4)
     bdoc = store.load_file(bpath)
-    want = store.select_entry(bdoc, 1)["config"]
+    tile = dict(file_numerics(base, bdoc))
     assert [e["bucket"] for e in doc["entries"]] == [1]
-    assert all(doc["entries"][0]["config"][k] == v for k, v in want.items())
+    got = doc["entries"][0]["config"]
+    assert all(got[k] == v for k, v in tile.items()) and "BLOCK_N" not in tile
+    assert "BLOCK_N" in launch_only_keys(route, got)
+    # never worse than the config the base runs at that bucket (its BLOCK_M of 2 lies outside the
+    # bucket-1 space the tuner samples: it must still be a candidate)
+    ran = store.select_entry(store.load_file(bpath), 1)["config"]
+    assert ran["BLOCK_M"] == 2
+    at_base = predict_config(route, "gfx942", rprob, 1, dict(route.specialize(ran, "gfx942").config))
+    assert doc["entries"][0]["figures"]["predicted_us"] <= at_base["predicted_us"] + 1e-3
     problems: list[str] = []
     assert check_files(str(tmp_path), compile=False, log=problems.append)[1:] == (0, 0), problems
-    bdoc["entries"][0]["config"]["BLOCK_N"] = 2 * want["BLOCK_N"]           # the base re-tuned
+    e1 = store.select_entry(bdoc, 1)
+    e1["config"]["BLOCK_N"] = 2 * e1["config"]["BLOCK_N"]             # a launch key moved: still in step
+    with open(bpath, "w") as f:
+        json.dump(bdoc, f)
+    problems = []
+    assert check_files(str(tmp_path), compile=False, log=problems.append)[1:] == (0, 0), problems
+    for e in bdoc["entries"]:                                          # the base re-tuned to another tile
+        e["config"]["BLOCK_K"] = 64 if tile["BLOCK_K"] != 64 else 128
     with open(bpath, "w") as f:
         json.dump(bdoc, f)
     problems = []
     check_files(str(tmp_path), compile=False, log=problems.append)
-    assert any("hold other configs than" in p and "[1]" in p for p in problems), problems
+    assert any("hold other numerics than" in p and "[1]" in p for p in problems), problems
 
 
 @pytest.mark.parametrize("splitk,M", [(False, 2), (True, 3)])
