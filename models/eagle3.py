@@ -116,9 +116,13 @@ class Eagle3Draft:
         else:
             raise ValueError(f"draft forward: hidden width {hid.shape[-1]} is neither 3 x target hidden "
                              f"({3 * self.target_hidden}) nor the draft hidden ({c.hidden_size})")
-        ctx, cos, sin, _, xe = begin_step(cache.table, tokens, self.rope, self.embed, self.backend, seqs,
-                                          positions=positions, window=window, norm=self.input_norm)
-        x = torch.cat([xe, self.hidden_norm(h)], -1)
+        # both norms write their half of the attention's input row [norm(embedding) | norm(hidden)]
+        H = c.hidden_size
+        x = torch.empty(B * QL, 2 * H, dtype=self.adt if self.backend == "triton" else self.input_norm.dtype,
+                        device=h.device)
+        ctx, cos, sin, _, _ = begin_step(cache.table, tokens, self.rope, self.embed, self.backend, seqs,
+                                         positions=positions, window=window, norm=self.input_norm, x_out=x[:, :H])
+        self.hidden_norm(h, out=x[:, H:])
         if c.kind == "mla":
             attn_out = self.mla(x, cos, sin, cache, 0, ctx)
         else:

@@ -173,17 +173,19 @@ class RMSNorm:
         self.w = w.to(torch.float32 if backend == "torch" else torch.bfloat16).to(device)
         self.dtype = dtype
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """norm(x); `out` (x's shape, any row stride): written and returned, e.g. one half of a wider
+        row buffer (on triton the launch writes it: no concatenation launch)."""
         if self.backend == "torch":
             xf = x.float()
-            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.w
-            return y.to(self.dtype)
+            y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.w).to(self.dtype)
+            return y if out is None else out.copy_(y)
         from ops.norm import rms_norm
 
         xb = x.to(torch.bfloat16)
         if xb.numel() == 0:
-            return xb
-        return rms_norm(xb.contiguous(), self.w, self.eps, backend="triton")
+            return xb if out is None else out
+        return rms_norm(xb.contiguous(), self.w, self.eps, backend="triton", out=out)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): the residual add fused into the norm on triton

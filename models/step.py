@@ -61,10 +61,12 @@ def make_ctx(table: PageTable, B: int, QL: int, seqs: Optional[torch.Tensor] = N
 def begin_step(table: PageTable, tokens: torch.Tensor, rope: "RopeTable", embed: torch.Tensor, backend: str,
                seqs: Optional[torch.Tensor] = None, offsets: Optional[torch.Tensor] = None,
                positions: Optional[torch.Tensor] = None, window: Optional[torch.Tensor] = None,
-               norm: Any = None) -> tuple[StepCtx, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+               norm: Any = None, x_out: Optional[torch.Tensor] = None
+               ) -> tuple[StepCtx, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """A step's start for tokens [B, QL]: (make_ctx's StepCtx, cos, sin [T, dim/2] at its positions,
     the embedding rows h [T, hidden], norm(h) or None). `norm`: an RMSNorm (models.layers) of the
-    embedding rows, e.g. the first layer's input norm. On triton with a bf16 embedding all of it runs
+    embedding rows, e.g. the first layer's input norm; `x_out` [T, hidden] (any row stride): where
+    norm(h) goes (then returned). On triton with a bf16 embedding all of it runs
     in one launch (ops.step_prologue: the same values; a sequence-indexed step still gathers its
     block-table rows with torch); otherwise as torch ops, make_ctx and indexing."""
     B, QL = tokens.shape
@@ -72,13 +74,13 @@ def begin_step(table: PageTable, tokens: torch.Tensor, rope: "RopeTable", embed:
         ctx = make_ctx(table, B, QL, seqs, offsets=offsets, positions=positions, window=window)
         cos, sin = rope(ctx.positions)
         h = embed[tokens.reshape(-1)]
-        return ctx, cos, sin, h, (norm(h) if norm is not None else None)
+        return ctx, cos, sin, h, (norm(h, out=x_out) if norm is not None else None)
     from ops.step_prologue import run_prologue
 
     o = run_prologue(tokens.long(), table.lens, table.bt, table.page_size, embed, rope.cos, rope.sin,
                      seqs=None if seqs is None else seqs.long(), offsets=None if offsets is None else offsets.long(),
                      positions=None if positions is None else positions.long(), norm_w=None if norm is None else norm.w,
-                     eps=1e-6 if norm is None else norm.eps, backend="triton")
+                     eps=1e-6 if norm is None else norm.eps, backend="triton", x_out=x_out)
     bt = table.bt[:B] if seqs is None else table.bt[seqs]
     ctx = StepCtx(B, QL, o["positions"], o["slots"], bt, o["seq_lens"], None if window is None else window.bool(),
                   table.capacity, seqs)

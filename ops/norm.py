@@ -110,14 +110,30 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _out_rows(op: str, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`out` as the [rows, D] view a norm kernel writes (x's shape, bf16, on x's device, a contiguous
+    last dim, rows at any stride that a view expresses)."""
+    check_tensor(op, "out", out, None, (torch.bfloat16,), x.device, last_contiguous=True)
+    if out.shape != x.shape:
+        raise ValueError(f"{op}: out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
+    try:
+        return out.view(-1, out.shape[-1])
+    except RuntimeError:
+        raise ValueError(f"{op}: out (strides {tuple(out.stride())}) does not view as [rows, {out.shape[-1]}]") from None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None,
-             backend: str = "triton", config: dict[str, Any] | None = None):
+             backend: str = "triton", config: dict[str, Any] | None = None, out: torch.Tensor | None = None):
     """RMSNorm over the last dim. With `residual`: returns (rmsnorm(x + residual), x + residual), the
     sum rounded to x.dtype into a NEW tensor, in the same launch (no copy launch); `residual` is
     only read, so a decode step carries the returned sum as its residual stream. With `residual`
     [M, D], x may be the f32 split-K partials [S, M, D] of the layer output (gemm_bf16_splitk): they
-    are added in split order and rounded to bf16 first (`splitk_sum_ref`), in the same launch."""
+    are added in split order and rounded to bf16 first (`splitk_sum_ref`), in the same launch.
+    `out` (no residual): x's shape, bf16, a contiguous last dim and any row stride (e.g. one half of
+    a wider row buffer, which then needs no concatenation launch): written and returned."""
     check_backend("rms_norm", backend)
+    if out is not None and residual is not None:
+        raise ValueError("rms_norm: out= is for the plain norm (no residual)")
     if residual is not None and isinstance(x, torch.Tensor) and x.dtype == torch.float32:
         return _add_norm_partials("rms_norm", x, weight, eps, residual, backend, config, quant=False)
     check_tensor("rms_norm", "x", x, None, (torch.bfloat16,))
@@ -132,18 +148,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
         raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"rms_norm: eps must be a finite number >= 0, got {eps!r}")
+    rows = None if out is None else _out_rows("rms_norm", out, x)
     if backend == "torch":
-        return rmsnorm_ref(x, weight, eps) if residual is None else rmsnorm_add_ref(x, residual, weight, eps)
+        if residual is None:
+            y = rmsnorm_ref(x, weight, eps)
+            return y if out is None else out.copy_(y)
+        return rmsnorm_add_ref(x, residual, weight, eps)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
     x2 = _rows(x)
     M, D = x2.shape
-    out = torch.empty_like(x2)
     if residual is None:
+        y = torch.empty_like(x2) if rows is None else rows
         cfg = invariant_config(rmsnorm, {"D": D}, M, config)
         if M:
-            rmsnorm(x2, weight, out, float(eps), config=cfg)
-        return out.view(x.shape)
+            rmsnorm(x2, weight, y, float(eps), config=cfg)
+        return y.view(x.shape) if out is None else out
+    out = torch.empty_like(x2)
     r_out = torch.empty_like(x2)
     cfg = invariant_config(rmsnorm_add, {"D": D}, M, config)
     if M:

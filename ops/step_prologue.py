@@ -80,12 +80,13 @@ def run_prologue(tokens: torch.Tensor, lens: torch.Tensor, bt: torch.Tensor, pag
                  cos_table: torch.Tensor, sin_table: torch.Tensor, seqs: Optional[torch.Tensor] = None,
                  offsets: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
                  norm_w: Optional[torch.Tensor] = None, eps: float = 1e-6, backend: str = "triton",
-                 config: dict | None = None) -> dict[str, torch.Tensor]:
+                 config: dict | None = None, x_out: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
     """`step_prologue` for tokens [B, QL] (long) of cache slots `seqs` [B] (default 0..B-1), with a
     page table's `lens` [NS] int32 and `bt` [NS, MP] int32, rope positions from the rows (default),
     lens + `offsets` [B, QL] or `positions` [B, QL]; returns positions / slots (long [T]), seq_lens
     (int32 [B]), cos / sin (f32 [T, R2]), h (embedding rows [T, H]) and x (rmsnorm(h) * norm_w, when
-    norm_w is given). No device read."""
+    norm_w is given; `x_out` [T, H] bf16 with a contiguous last dim and any row stride, e.g. one half
+    of a wider row buffer: written instead of a new tensor). No device read."""
     check_backend("step_prologue", backend)
     if backend != "triton":
         raise ValueError("step_prologue: the torch path is models.step.make_ctx")
@@ -118,6 +119,12 @@ def run_prologue(tokens: torch.Tensor, lens: torch.Tensor, bt: torch.Tensor, pag
         check_tensor(op, "norm_w", norm_w, 1, (torch.bfloat16,), dev, contiguous=True)
         if norm_w.shape[0] != H:
             raise ValueError(f"{op}: norm_w must be [{H}], got {tuple(norm_w.shape)}")
+    if x_out is not None:
+        if norm_w is None:
+            raise ValueError(f"{op}: x_out= holds the normed rows: it needs norm_w")
+        check_tensor(op, "x_out", x_out, 2, (torch.bfloat16,), dev, last_contiguous=True)
+        if tuple(x_out.shape) != (T, H):
+            raise ValueError(f"{op}: x_out must be [{T}, {H}], got {tuple(x_out.shape)}")
     mode = POS_ROWS if given is None else (POS_OFFSETS if offsets is not None else POS_GIVEN)
     out = {"positions": torch.empty(T, dtype=torch.int64, device=dev),
            "slots": torch.empty(T, dtype=torch.int64, device=dev),
@@ -126,7 +133,8 @@ def run_prologue(tokens: torch.Tensor, lens: torch.Tensor, bt: torch.Tensor, pag
            "sin": torch.empty(T, R2, dtype=torch.float32, device=dev),
            "h": torch.empty(T, H, dtype=torch.bfloat16, device=dev)}
     # operands the static flags leave unread get a stand-in of the right shape and type
-    x = torch.empty(T, H, dtype=torch.bfloat16, device=dev) if norm_w is not None else out["h"]
+    x = out["h"] if norm_w is None else x_out if x_out is not None else torch.empty(T, H, dtype=torch.bfloat16,
+                                                                                 device=dev)
     if T:
         one = torch.zeros(1, dtype=torch.int64, device=dev)
         cfg = invariant_config(step_prologue, {"H": H, "R2": R2}, T, config)   # its row sum follows num_warps

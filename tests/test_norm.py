@@ -50,6 +50,34 @@ def test_rmsnorm_residual_strided_view() -> None:
     torch.testing.assert_close(y.float(), y_ref.float(), **BF16_TOL)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_rmsnorm_out_writes_only_its_half_of_a_wider_row(backend: str) -> None:
+    """out= one half of a [T, 2D] row buffer (the draft's attention input): the same bits as a new
+    tensor, the other half and the guard rows around the buffer untouched (poisoned first)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 48, generator=g).bfloat16()
+    w = (torch.rand(48, generator=g) + 0.5).bfloat16()
+    buf = poisoned((3 + 2, 96), torch.bfloat16)
+    rows = buf[1:4]
+    got = norm.rms_norm(x, w, 1e-6, backend=backend, out=rows[:, 48:])
+    assert got.data_ptr() == rows[:, 48:].data_ptr()
+    assert torch.equal(rows[:, 48:], norm.rms_norm(x, w, 1e-6, backend=backend))
+    assert buf[0].isnan().all() and buf[4].isnan().all() and rows[:, :48].isnan().all()
+
+
+def test_rmsnorm_out_errors() -> None:
+    x = torch.randn(2, 16).bfloat16()
+    w = torch.ones(16).bfloat16()
+    with pytest.raises(ValueError, match="out must have x's shape"):
+        norm.rms_norm(x, w, out=torch.empty(2, 8).bfloat16())
+    with pytest.raises(TypeError, match="out must be bfloat16"):
+        norm.rms_norm(x, w, out=torch.empty(2, 16))
+    with pytest.raises(ValueError, match="out must be contiguous along its last dim"):
+        norm.rms_norm(x, w, out=torch.empty(16, 2).bfloat16().t())
+    with pytest.raises(ValueError, match="no residual"):
+        norm.rms_norm(x, w, residual=x, out=torch.empty_like(x))
+
+
 def test_rmsnorm_kernel_writes_every_row() -> None:
     x = torch.randn(4, 32).bfloat16()
     w = torch.randn(32).bfloat16()

@@ -616,6 +616,8 @@ def test_draft_step_records_on_meta():
         assert (att.dims["QL"], att.dims["HQ"], att.dims["KVH"], att.dims["D"], att.dims["PS"]) == (ql, 64, 64, 128, 64)
         assert att.dims["MP"] >= 8192 // 64
         assert rec.mode.device_reads == [] and len(rec.mode.ops) > 0
+        # both norms write their half of the attention's input row: no concatenation launch
+        assert [o.name for o in rec.mode.ops] == ["copy_", "_to_copy"]
         assert rec.lookups and all(e["hit"] for e in rec.lookups), [e for e in rec.lookups if not e["hit"]]
 
 

@@ -57,6 +57,20 @@ def test_prologue_equals_the_torch_step_start(kind: str, indexed: bool) -> None:
     assert "x" not in run_prologue(tok, tab.lens, tab.bt, PS, emb, rope.cos, rope.sin, seqs=seqs, **kw)
 
 
+def test_x_out_is_written_in_place_and_nothing_around_it() -> None:
+    """x_out= the left half of a [T, 2H] row buffer inside a bigger poisoned one (the draft's
+    attention input): the normed rows land there, bit for bit those of a new tensor; the right half
+    and the guard rows stay poisoned."""
+    g, tab, rope, emb, w = _setup(5)
+    tok = torch.randint(0, V, (2, 3), generator=g)
+    want = run_prologue(tok, tab.lens, tab.bt, PS, emb, rope.cos, rope.sin, norm_w=w)["x"]
+    buf = torch.full((6 + 2, 2 * H), float("nan"), dtype=torch.bfloat16)
+    rows = buf[1:7]
+    o = run_prologue(tok, tab.lens, tab.bt, PS, emb, rope.cos, rope.sin, norm_w=w, x_out=rows[:, :H])
+    assert o["x"].data_ptr() == rows.data_ptr() and torch.equal(rows[:, :H], want)
+    assert rows[:, H:].isnan().all() and buf[0].isnan().all() and buf[7].isnan().all()
+
+
 def test_bad_indices_read_nothing_outside_and_give_the_documented_values() -> None:
     """A sequence index outside the table: slot -1, length 0, position 0; a position past the rope
     table: cos = sin = 0; a token id outside the vocabulary: a zero row; a length past the table's
@@ -115,3 +129,7 @@ def test_argument_errors_name_the_argument() -> None:
         run_prologue(tok, tab.lens, tab.bt, PS, emb, rope.cos, rope.sin, norm_w=w[:3])
     with pytest.raises(ValueError, match="seqs"):
         run_prologue(tok, tab.lens, tab.bt, PS, emb, rope.cos, rope.sin, seqs=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="needs norm_w"):
+        run_prologue(tok, tab.lens, tab.bt, PS, emb, rope.cos, rope.sin, x_out=torch.empty(2, H).bfloat16())
+    with pytest.raises(ValueError, match="x_out must be"):
+        run_prologue(tok, tab.lens, tab.bt, PS, emb, rope.cos, rope.sin, norm_w=w, x_out=torch.empty(2, 2 * H).bfloat16())
