@@ -258,6 +258,14 @@ def predict_config(kernel: Any, arch: str | Target, problem: dict[str, Any], m: 
     return fig
 
 
+def _bucket_configs(path: str) -> dict[Any, dict[str, Any]]:
+    """bucket -> config of an existing tuned file ({} when there is none or it does not load)."""
+    try:
+        return {e["bucket"]: e["config"] for e in load_file(path)["entries"]} if os.path.exists(path) else {}
+    except Exception:  # noqa: BLE001 - a bad old file has nothing to offer
+        return {}
+
+
 def _prior_configs(kernel: Any, target: Target, static: dict[str, Any], path: str) -> list[dict[str, Any]]:
     """The tunable + option part of every entry of an existing file at `path` that still specializes."""
     if not os.path.exists(path):
@@ -594,13 +602,15 @@ def tune(kernel: Any, arch: str | Target, problem: dict[str, Any], ms: list[Any]
     # a configs_of kernel's bucket first tries the config its base runs there and the one its own
     # file holds (with the base's numerics), whatever the sampled space holds (a base's BLOCK_M of 2
     # at bucket 1 lies outside that bucket's domain): re-tuning never loses either
-    mine = {e["bucket"]: e["config"] for e in (load_file(prior_path)["entries"] if own and os.path.exists(prior_path)
-                                               else [])}
+    mine = _bucket_configs(prior_path) if own else {}
     for b in own:
         for c in (own[b], mine.get(b)):
             if c is None:
                 continue
-            c = with_numerics([dict(kernel.specialize(c, target, static).config)], forced, kernel)[0]
+            try:
+                c = with_numerics([dict(kernel.specialize(c, target, static).config)], forced, kernel)[0]
+            except Exception:  # noqa: BLE001 - none there, or an old entry this kernel no longer takes
+                continue
             cm = compile_m(kernel, prob, bucket_m(b), target)
             if c not in spaces[b].candidates and _traces(kernel, target, c, full_dims(kernel, prob, cm, c, target)):
                 spaces[b].candidates.insert(0, c)

@@ -164,12 +164,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
         if M:
             rmsnorm(x2, weight, y, float(eps), config=cfg)
         return y.view(x.shape) if out is None else out
-    out = torch.empty_like(x2)
-    r_out = torch.empty_like(x2)
+    y, r_out = torch.empty_like(x2), torch.empty_like(x2)
     cfg = invariant_config(rmsnorm_add, {"D": D}, M, config)
     if M:
-        rmsnorm_add(x2, _rows(residual), weight, out, r_out, float(eps), config=cfg)
-    return out.view(x.shape), r_out.view(x.shape)
+        rmsnorm_add(x2, _rows(residual), weight, y, r_out, float(eps), config=cfg)
+    return y.view(x.shape), r_out.view(x.shape)
 
 
 def silu_and_mul(x: torch.Tensor, backend: str = "triton", config: dict[str, Any] | None = None) -> torch.Tensor:
