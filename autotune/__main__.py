@@ -494,12 +494,12 @@ def cmd_tune_model_draft(a: argparse.Namespace) -> int:
 
 def _takes_numerics_from_another(kernel: Any, prob: dict[str, Any]) -> bool:
     """Whether `prob` runs with another problem's numerics keys (a verify's q_len-1 decode file) or
-    another kernel's configs (`configs_of`): those reference problems are tuned first (a stable
+    another kernel's numerics (`configs_of`): those reference problems are tuned first (a stable
     sort keeps the rest in step order)."""
     from .problems import model_for, strip_m
 
     pm = model_for(kernel)
-    if pm.configs_of is not None:   # runs its base kernel's tuned configs: tuned after it
+    if pm.configs_of is not None:   # keeps its base kernel's tuned numerics: tuned after it
         return True
     ref = pm.numerics_ref
     return ref is not None and strip_m(kernel, ref(dict(prob))) != strip_m(kernel, prob)
